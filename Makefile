@@ -1,0 +1,41 @@
+# Two entry points for a fresh machine:
+#   make serve   set everything up, then serve the default model on :8000
+#   make test    set everything up, then run the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU build of torch lies on this machine's disk; GPU nodes take the CUDA build from PyPI.
+TORCH_CPU := torch==2.13.0
+
+.PHONY: setup serve test test-slow test-all bench clean-venv
+
+setup: $(VENV)/.installed model
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q $(TORCH_CPU); fi
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+.PHONY: model
+model: $(VENV)/.installed
+	$(VENV)/bin/specserve fetch-model
+
+serve: setup
+	$(VENV)/bin/specserve serve $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(ARGS)
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow $(ARGS)
+
+test-all: setup
+	$(PY) -m pytest -q -m 'slow or not slow' $(ARGS)
+
+bench: setup
+	$(PY) -m bench.plain $(ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

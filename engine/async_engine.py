@@ -1,0 +1,157 @@
+"""The async engine client: the engine loop on its own thread, streams for asyncio.
+
+``add_request`` returns an async iterator of ``RequestOutput`` deltas, the last
+one with ``finished=True``. ``abort`` ends a request and frees its KV blocks
+(called, for example, when an HTTP client disconnects). Requests and aborts
+cross to the engine thread through a queue; outputs come back through
+``loop.call_soon_threadsafe``.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+import traceback
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: "asyncio.Queue[RequestOutput | BaseException]"
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Add] = {}
+        self._stopping = threading.Event()
+        self._wakeup = threading.Event()
+        self.dead_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.dead_error is None
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Validates (raising InvalidParameter) and enqueues; returns the delta stream."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        ids = self.engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self.engine.validate(ids, params)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._inbox.put(_Add(request_id, ids, params, stream, asyncio.get_running_loop()))
+        self._wakeup.set()
+        return self._iterate(request_id, stream)
+
+    async def _iterate(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:  # the consumer went away (client disconnect, cancellation)
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+        self._wakeup.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._wakeup.set()
+        self._thread.join(timeout)
+
+    # ---- engine thread ----
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self._wakeup.wait(0.5)
+                    self._wakeup.clear()
+                    continue
+                self._step()
+        except BaseException as e:  # noqa: BLE001 - the loop must report whatever killed it
+            log.exception("engine loop died")
+            self.dead_error = e
+        finally:
+            self._fail_all(EngineDeadError("the engine stopped"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(msg, _Add):
+                self._start(msg)
+            elif (out := self.engine.abort_request(msg.request_id)) is not None:
+                self._deliver(out)
+
+    def _start(self, msg: _Add) -> None:
+        try:
+            self.engine.add_request(msg.request_id, msg.prompt, msg.params)
+        except Exception as e:  # noqa: BLE001 - reported to the caller's stream
+            msg.loop.call_soon_threadsafe(msg.stream.put_nowait, e)
+            return
+        self._streams[msg.request_id] = msg
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
+            log.error("engine step failed: %s", traceback.format_exc())
+            running = list(self.engine.scheduler.running)
+            outputs = self.engine.fail_requests(running, f"internal error: {type(e).__name__}")
+        for out in outputs:
+            self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        msg = self._streams.get(out.request_id)
+        if msg is None:
+            return
+        if out.finished:
+            del self._streams[out.request_id]
+        msg.loop.call_soon_threadsafe(msg.stream.put_nowait, out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid, msg in list(self._streams.items()):
+            self.engine.abort_request(rid)
+            msg.loop.call_soon_threadsafe(msg.stream.put_nowait, error)
+        self._streams.clear()

@@ -1,0 +1,144 @@
+"""Attention metadata of one step, built once on the CPU and shared by all layers.
+
+The step's tokens are one flat sequence, request after request::
+
+    request:   r0 (prefill chunk, 5 new)   r1 (decode, 1)   r2 (chain of 3)
+    token:     0  1  2  3  4               5                6  7  8
+
+Each request ``r`` has ``context_len[r]`` tokens already in the KV cache and
+``query_len[r]`` new ones. Requests whose query is long (prefill chunks) are
+attended one by one; the rest (decodes, draft chains and trees) are attended
+in one padded, masked batch.
+
+A request may carry a tree: ``parents[i]`` is the index (among its new tokens)
+of new token ``i``'s parent, -1 for a child of the last committed token. Token
+``i`` then sees the committed prefix plus its own ancestors and itself. A chain
+is the tree ``parents = [-1, 0, 1, ...]``, which is the default.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+# Requests with more new tokens than this are attended on their own.
+MAX_BATCHED_QUERY = 64
+
+
+@dataclass(frozen=True)
+class SeqSpec:
+    """One request's part of a step, as the runner sees it."""
+
+    context_len: int  # tokens already in the KV cache
+    query_len: int  # new tokens computed this step
+    block_table: list[int]
+    parents: tuple[int, ...] | None = None  # tree over the new tokens; None = chain
+
+
+@dataclass
+class SoloQuery:
+    """A long query (prefill chunk) attended on its own."""
+
+    start: int  # first flat token index
+    end: int
+    kv_slots: torch.Tensor | None  # [context_len + query_len] slots; None: no prior context
+    mask: torch.Tensor | None  # [query_len, kv_len] bool, True = attend; None: plain causal
+
+
+@dataclass
+class BatchedQuery:
+    """Short queries of many requests, padded to ``max_q`` rows each."""
+
+    token_index: torch.Tensor  # [n, max_q] flat token index of each row (padding repeats the last)
+    valid: torch.Tensor  # [n, max_q] bool, False on padding rows
+    kv_slots: torch.Tensor  # [n, max_kv] slots of positions 0 .. max_kv-1 (garbage past each length)
+    mask: torch.Tensor  # [n, 1, max_q, max_kv] bool, True = attend
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] slot each new token's K/V is written to
+    solo: list[SoloQuery] = field(default_factory=list)
+    batched: BatchedQuery | None = None
+
+
+def tree_mask(parents: tuple[int, ...]) -> np.ndarray:
+    """[m, m] bool: row i sees itself and its ancestors among the new tokens.
+
+    >>> tree_mask((-1, 0, 0)).astype(int).tolist()
+    [[1, 0, 0], [1, 1, 0], [1, 0, 1]]
+    """
+    m = len(parents)
+    mask = np.eye(m, dtype=bool)
+    for i, p in enumerate(parents):
+        if p >= i:
+            raise ValueError(f"parent {p} of node {i} must come before it")
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask
+
+
+def tree_depths(parents: tuple[int, ...]) -> np.ndarray:
+    """Depth of each new token below the committed prefix (0 for roots)."""
+    depth = np.zeros(len(parents), dtype=np.int64)
+    for i, p in enumerate(parents):
+        depth[i] = depth[p] + 1 if p >= 0 else 0
+    return depth
+
+
+def _slots(block_table: list[int], n: int, block_size: int) -> np.ndarray:
+    pos = np.arange(n, dtype=np.int64)
+    return np.asarray(block_table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
+
+
+def _solo(spec: SeqSpec, start: int, block_size: int, device) -> SoloQuery:
+    end = start + spec.query_len
+    if spec.context_len == 0 and spec.parents is None:
+        return SoloQuery(start, end, None, None)
+    kv_len = spec.context_len + spec.query_len
+    slots = torch.from_numpy(_slots(spec.block_table, kv_len, block_size)).to(device)
+    mask = np.ones((spec.query_len, kv_len), dtype=bool)
+    new = tree_mask(spec.parents) if spec.parents else np.tri(spec.query_len, dtype=bool)
+    mask[:, spec.context_len :] = new
+    return SoloQuery(start, end, slots, torch.from_numpy(mask).to(device))
+
+
+def _batched(specs: list[SeqSpec], starts: list[int], block_size: int, device) -> BatchedQuery:
+    ctx = np.array([s.context_len for s in specs], dtype=np.int64)  # [n]
+    qlen = np.array([s.query_len for s in specs], dtype=np.int64)  # [n]
+    max_q, max_kv = int(qlen.max()), int((ctx + qlen).max())
+    rows = np.minimum(np.arange(max_q)[None, :], qlen[:, None] - 1)  # [n, max_q]
+    token_index = np.asarray(starts, dtype=np.int64)[:, None] + rows
+    valid = np.arange(max_q)[None, :] < qlen[:, None]
+    width = max(len(s.block_table) for s in specs)
+    tables = np.zeros((len(specs), width), dtype=np.int64)
+    for r, s in enumerate(specs):
+        tables[r, : len(s.block_table)] = s.block_table
+    pos = np.arange(max_kv, dtype=np.int64)
+    kv_slots = np.take_along_axis(tables, np.minimum(pos // block_size, width - 1)[None, :].repeat(len(specs), 0), 1)
+    kv_slots = kv_slots * block_size + pos % block_size
+    # Chain rule: row i sees positions up to context_len + i (padding rows repeat the last).
+    mask = pos[None, None, :] <= (ctx[:, None] + rows)[:, :, None]  # [n, max_q, max_kv]
+    for r, s in enumerate(specs):
+        if s.parents is not None:
+            c, m = s.context_len, s.query_len
+            mask[r, :m, c : c + m] = tree_mask(s.parents)
+            mask[r, m:] = mask[r, m - 1]
+    to = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    return BatchedQuery(to(token_index), to(valid), to(kv_slots), to(mask[:, None]))
+
+
+def build_attention_metadata(specs: list[SeqSpec], block_size: int, device="cpu") -> AttentionMetadata:
+    """Metadata for a step whose flat tokens are ``specs`` in order."""
+    starts = np.concatenate([[0], np.cumsum([s.query_len for s in specs])]).tolist()
+    slot_mapping = np.concatenate(
+        [_slots(s.block_table, s.context_len + s.query_len, block_size)[s.context_len :] for s in specs]
+    )
+    meta = AttentionMetadata(torch.from_numpy(slot_mapping).to(device))
+    short = [i for i, s in enumerate(specs) if s.query_len <= MAX_BATCHED_QUERY]
+    for i, s in enumerate(specs):
+        if s.query_len > MAX_BATCHED_QUERY:
+            meta.solo.append(_solo(s, starts[i], block_size, device))
+    if short:
+        meta.batched = _batched([specs[i] for i in short], [starts[i] for i in short], block_size, device)
+    return meta

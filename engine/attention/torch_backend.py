@@ -1,0 +1,44 @@
+"""Reference attention over the paged KV cache, in plain torch.
+
+Every other backend is tested against this one. It writes the step's new K/V
+into their slots, then gathers each request's keys and values through its
+block table and runs scaled-dot-product attention with an explicit mask.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.metadata import AttentionMetadata
+
+
+def paged_attention(q, k, v, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
+    """q [T, H, D], k and v [T, KVH, D] (new tokens) -> [T, H, D].
+
+    ``kv_layer`` is ``(k_cache, v_cache)``, each [num_blocks, block_size, KVH, D].
+    """
+    k_cache, v_cache = kv_layer
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [num_slots, KVH, D]
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    k_flat.index_copy_(0, meta.slot_mapping, k)
+    v_flat.index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    for s in meta.solo:
+        qs = q[s.start : s.end].transpose(0, 1)  # [H, m, D]
+        if s.kv_slots is None:
+            ks, vs = k[s.start : s.end], v[s.start : s.end]
+        else:
+            ks, vs = k_flat[s.kv_slots], v_flat[s.kv_slots]
+        o = F.scaled_dot_product_attention(
+            qs, ks.transpose(0, 1), vs.transpose(0, 1),
+            attn_mask=s.mask, is_causal=s.mask is None, enable_gqa=True,
+        )
+        out[s.start : s.end] = o.transpose(0, 1)
+    b = meta.batched
+    if b is not None:
+        qb = q[b.token_index].transpose(1, 2)  # [n, H, max_q, D]
+        kb = k_flat[b.kv_slots].transpose(1, 2)  # [n, KVH, max_kv, D]
+        vb = v_flat[b.kv_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask, enable_gqa=True)
+        o = o.transpose(1, 2)  # [n, max_q, H, D]
+        out[b.token_index[b.valid]] = o[b.valid]
+    return out

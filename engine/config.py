@@ -1,0 +1,56 @@
+"""Typed, frozen engine configuration, split by concern and validated once."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None  # local directory or .gguf file; None = the default model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if self.dtype not in names:
+            raise ValueError(f"dtype must be one of auto, {', '.join(names)}; got {self.dtype!r}")
+        return names[self.dtype]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    memory_bytes: int = 1 << 30  # KV-cache budget; ignored when num_blocks is set
+    num_blocks: int | None = None
+
+    def __post_init__(self):
+        if self.block_size < 1 or (self.num_blocks is not None and self.num_blocks < 1):
+            raise ValueError("block_size and num_blocks must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # running requests at once
+    max_num_batched_tokens: int = 512  # token budget of one step (prefill chunk size)
+    max_waiting: int = 1024  # waiting-queue length beyond which requests are refused
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

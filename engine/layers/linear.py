@@ -1,0 +1,88 @@
+"""Column- and row-parallel linear layers with their own weight loaders.
+
+Column parallel: the output features are split across ranks, weight shard
+``[out / tp, in]``; no communication. Row parallel: the input features are split,
+weight shard ``[out, in / tp]``; the partial outputs are summed by an all-reduce
+in ``forward``. At tp size 1 both are a plain ``F.linear``.
+
+Merged layers (QKV, gate+up) hold several logical matrices stacked along the
+output dimension; ``load(shard_id, full_weight)`` copies this rank's slice of
+one of them into place.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.parallel import SINGLE, TPGroup
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_sizes: list[int], tp: TPGroup = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.out_sizes = [tp.shard(n, "output features") for n in out_sizes]
+        self.weight = nn.Parameter(torch.empty(sum(self.out_sizes), in_features), requires_grad=False)
+
+    def load(self, shard_id: int, full: torch.Tensor) -> None:
+        """Copy this rank's rows of logical matrix ``shard_id`` (full: [out_i, in])."""
+        size = self.out_sizes[shard_id]
+        offset = sum(self.out_sizes[:shard_id])
+        rows = full.narrow(0, self.tp.rank * size, size)
+        self.weight.data[offset : offset + size].copy_(rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matmul; shard ids "q", "k", "v"."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: TPGroup = SINGLE):
+        super().__init__(hidden, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], tp)
+
+    def load(self, shard_id, full: torch.Tensor) -> None:
+        super().load("qkv".index(shard_id), full)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.in_shard = tp.shard(in_features, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_shard), requires_grad=False)
+
+    def load(self, shard_id, full: torch.Tensor) -> None:
+        self.weight.data.copy_(full.narrow(1, self.tp.rank * self.in_shard, self.in_shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(F.linear(x, self.weight))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows (the vocabulary) are split across ranks."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.shard_size = tp.shard(vocab_size, "vocab_size")
+        self.start = tp.rank * self.shard_size
+        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden), requires_grad=False)
+
+    def load(self, shard_id, full: torch.Tensor) -> None:
+        self.weight.data.copy_(full.narrow(0, self.start, self.shard_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.shard_size)
+        out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * inside.unsqueeze(-1)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection over a vocab-sharded weight; gathers the full logits."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_gather_last_dim(F.linear(hidden, self.weight))

@@ -1,0 +1,55 @@
+"""Rotary position embeddings (the "rotate half" layout of Hugging Face Llama)."""
+
+import torch
+from torch import nn
+
+
+def rope_parameters(config) -> dict:
+    """The config's rope settings, from ``rope_parameters`` (transformers 5) or
+    ``rope_theta`` + ``rope_scaling`` (transformers 4)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return params
+
+
+def inv_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """``(inv_freq [head_dim // 2], attention_scaling)`` for the config's rope type."""
+    params = rope_parameters(config)
+    if params["rope_type"] == "default":
+        theta = float(params["rope_theta"])
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (theta**exponent), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rope to q and k at given positions, from a precomputed cos/sin table."""
+
+    def __init__(self, config, head_dim: int, max_positions: int):
+        super().__init__()
+        inv_freq, scaling = inv_frequencies(config, head_dim)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin), each [T, 1, head_dim], computed once per step."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q [T, H, D], k [T, KVH, D] -> rotated (q, k)."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

@@ -1,0 +1,143 @@
+"""The synchronous engine: owns the model, the KV cache, the scheduler and the
+runner, and advances every request by one step at a time.
+
+Not thread-safe: one thread calls ``add_request``, ``abort_request`` and
+``step`` (``AsyncEngine`` runs it on its own thread).
+"""
+
+import logging
+
+import torch
+
+from engine.config import EngineConfig
+from engine.loader import load_config, load_model, load_tokenizer
+from engine.model_store import resolve_model
+from engine.models.llama import head_dim_of
+from engine.outputs import RequestOutput
+from engine.request import Request
+from engine.runner import ModelRunner
+from engine.sampling_params import InvalidParameter, SamplingParams
+from engine.scheduler import Scheduler
+from engine.stop import holdback
+from kvcache import KVCacheManager, blocks_needed
+from kvcache.tensors import KVSpec, PagedKV
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig = EngineConfig(), model=None, tokenizer=None):
+        self.config = config
+        device, dtype = config.model.torch_device(), config.model.torch_dtype()
+        if model is None:
+            path = resolve_model(config.model.model)
+            hf_config = load_config(path)
+            max_len = config.model.max_model_len or hf_config.max_position_embeddings
+            model = load_model(path, dtype, device, max_positions=max_len)
+            tokenizer = tokenizer or load_tokenizer(path)
+            self.model_path = str(path)
+        else:
+            self.model_path = "<in-memory>"
+        self.model, self.tokenizer = model, tokenizer
+        hf_config = model.config
+        self.max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
+        spec = KVSpec(
+            hf_config.num_hidden_layers, hf_config.num_key_value_heads, head_dim_of(hf_config), config.cache.block_size, dtype
+        )
+        num_blocks = config.cache.num_blocks or spec.num_blocks_for(config.cache.memory_bytes)
+        if num_blocks < blocks_needed(self.max_model_len, spec.block_size):
+            raise ValueError(
+                f"the KV cache holds {num_blocks * spec.block_size} tokens, fewer than max_model_len="
+                f"{self.max_model_len}; raise the KV-cache budget or lower max_model_len"
+            )
+        self.kv_manager = KVCacheManager(num_blocks, spec.block_size)
+        self.paged_kv = PagedKV(spec, num_blocks, device)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        self.runner = ModelRunner(model, self.paged_kv, spec.block_size, device, config.model.seed)
+        self.eos_token_ids = _eos_ids(hf_config, tokenizer)
+        log.info("engine ready: %d KV blocks of %d tokens on %s (%s)", num_blocks, spec.block_size, device, dtype)
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises InvalidParameter for a request the engine cannot serve."""
+        if not prompt_token_ids:
+            raise InvalidParameter("prompt", "must not be empty")
+        vocab = self.model.config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise InvalidParameter("prompt", f"token ids must be in [0, {vocab})")
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidParameter(
+                "max_tokens",
+                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                f"exceeds the model's maximum context length ({self.max_model_len})",
+            )
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate(ids, params)
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, ids, params, self.eos_token_ids, self.tokenizer)
+        self.scheduler.add(req)
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return None
+        self.scheduler.finish(req, "abort")
+        return self._delta(req)
+
+    def fail_requests(self, requests: list[Request], error: str) -> list[RequestOutput]:
+        for req in requests:
+            self.scheduler.finish(req, "error", error)
+        return [self._delta(r) for r in requests]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        result = self.runner.execute(scheduled)
+        touched = self.scheduler.update(scheduled, result)
+        return [self._delta(r) for r in touched]
+
+    def _delta(self, req: Request) -> RequestOutput:
+        """The part of ``req``'s output not yet emitted."""
+        tokens = req.output_token_ids[req.num_emitted_tokens :]
+        end = len(req.output_text) - holdback(req)
+        text = req.output_text[req.num_emitted_chars : end] if end > req.num_emitted_chars else ""
+        logprobs = req.logprobs[req.num_emitted_tokens :] if req.logprobs is not None else None
+        req.num_emitted_tokens += len(tokens)
+        req.num_emitted_chars = max(req.num_emitted_chars, end)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            new_text=text,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            logprobs=logprobs,
+            error=req.error,
+        )
+
+
+def _eos_ids(hf_config, tokenizer) -> frozenset[int]:
+    ids = set()
+    eos = getattr(hf_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def default_device_threads() -> None:
+    """Use every core for intra-op parallelism on the CPU."""
+    import os
+
+    torch.set_num_threads(os.cpu_count() or 1)

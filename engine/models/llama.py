@@ -1,0 +1,150 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2/3, SmolLM) over the paged KV cache.
+
+The model sees one flat batch per step: ``num_tokens`` tokens from any number of
+requests (prefill chunks, decodes, draft chains), each with its own position;
+``AttentionMetadata`` says which tokens belong to which request and which KV
+slots they read and write.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.layers.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.parallel import SINGLE, TPGroup
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, tp: TPGroup):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = head_dim_of(config)
+        self.num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")
+        self.num_kv_heads = tp.shard(config.num_key_value_heads, "num_key_value_heads")
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, tp
+        )
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, tp)
+        self.qk_norm = getattr(config, "model_type", "") == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        if getattr(config, "attention_bias", False):
+            raise NotImplementedError("attention biases (Qwen2) are not supported yet")
+
+    def forward(self, rope, hidden, meta: AttentionMetadata, kv_cache):
+        """hidden [T, hidden] -> [T, hidden]."""
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, *rope)
+        out = paged_attention(q, k, v, kv_cache.layer(self.layer_idx), meta)  # [T, H, D]
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, tp: TPGroup):
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported")
+        inter = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], tp)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, tp)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, tp: TPGroup):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, tp)
+        self.mlp = LlamaMLP(config, tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, rope, hidden, meta, kv_cache):
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), meta, kv_cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward`` gives final hidden states; ``compute_logits`` the vocab logits.
+
+    ``num_layers`` < config.num_hidden_layers builds only the first layers (the
+    self-drafting early-exit model shares them with the full target).
+    """
+
+    def __init__(self, config, tp: TPGroup = SINGLE, max_positions: int | None = None):
+        super().__init__()
+        self.config = config
+        max_positions = max_positions or config.max_position_embeddings
+        self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache, num_layers=None):
+        """input_ids [T], positions [T] -> final-normed hidden states [T, hidden]."""
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, hidden.dtype)
+        for layer in self.layers[:num_layers]:
+            hidden = layer(rope, hidden, meta, kv_cache)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] -> logits [S, vocab] in float32."""
+        return self.lm_head(hidden).float()
+
+    # Hugging Face parameter name fragment -> (our module suffix, shard id).
+    STACKED = {
+        ".q_proj.": (".qkv_proj.", "q"),
+        ".k_proj.": (".qkv_proj.", "k"),
+        ".v_proj.": (".qkv_proj.", "v"),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def load_weight(self, hf_name: str, tensor: torch.Tensor) -> bool:
+        """Copy one Hugging Face checkpoint tensor into place; False if unused."""
+        name = hf_name.removeprefix("model.")
+        if "rotary_emb" in name:
+            return False
+        if name == "lm_head.weight" and getattr(self.config, "tie_word_embeddings", False):
+            return False
+        shard_id = None
+        for hf_part, (ours, sid) in self.STACKED.items():
+            if hf_part in name:
+                name, shard_id = name.replace(hf_part, ours), sid
+                break
+        module_name, _, param = name.rpartition(".")
+        if param != "weight":
+            raise ValueError(f"unexpected parameter {hf_name}")
+        module = self.get_submodule(module_name)
+        module.load(shard_id, tensor.to(module.weight.dtype))
+        return True

@@ -1,0 +1,49 @@
+"""The offline Python API: ``LLM(model=...).generate(prompts, params)``."""
+
+import itertools
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Runs a batch of prompts to completion with continuous batching.
+
+    >>> llm = LLM()  # the default model
+    >>> llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))[0].text
+    """
+
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None, **kwargs):
+        if config is None:
+            model_kw = {k: kwargs.pop(k) for k in ("dtype", "device", "max_model_len", "seed") if k in kwargs}
+            cache_kw = {k: kwargs.pop(k) for k in ("block_size", "num_blocks") if k in kwargs}
+            sched_kw = {k: kwargs.pop(k) for k in ("max_num_seqs", "max_num_batched_tokens") if k in kwargs}
+            if kwargs:
+                raise TypeError(f"unknown arguments: {sorted(kwargs)}")
+            config = EngineConfig(ModelConfig(model=model, **model_kw), CacheConfig(**cache_kw), SchedulerConfig(**sched_kw))
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self, prompts: list[str | list[int]] | str, params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[CompletionOutput]:
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+        params = params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.engine.add_request(f"offline-{next(self._ids)}", p, sp) for p, sp in zip(prompts, params_list)]
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [
+            CompletionOutput(r.request_id, r.prompt_token_ids, r.output_token_ids, r.output_text, r.finish_reason, r.logprobs)
+            for r in reqs
+        ]
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> CompletionOutput:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.generate([self.engine.tokenize(text)], params)[0]

@@ -1,0 +1,151 @@
+"""Vectorized sampling: logits -> processed distribution p -> tokens.
+
+One row per sampled position. The processed distribution of a row applies, in
+this order: repetition penalty (prompt and output tokens), presence and
+frequency penalties (output tokens), logit_bias, temperature, top-k, top-p
+(over the top-k set, renormalized), min-p. Greedy rows take the argmax after
+penalties and bias.
+
+Random rows are drawn by the exponential race ``argmax(p / E)`` with
+``E ~ Exp(1)`` i.i.d. per token, which selects token ``x`` with probability
+exactly ``p(x)``. A request with a seed draws its ``E`` from its own generator,
+so its samples do not depend on what else is in the batch.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import TokenLogprob
+from engine.request import Request
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings as tensors; ``n`` rows."""
+
+    temperature: torch.Tensor  # [n] float, 1.0 on greedy rows
+    greedy: torch.Tensor  # [n] bool
+    top_k: torch.Tensor | None  # [n] long, vocab size where disabled; None: no row uses it
+    top_p: torch.Tensor | None  # [n] float; None: no row uses it
+    min_p: torch.Tensor | None  # [n] float; None: no row uses it
+    penalties: tuple[torch.Tensor, ...] | None  # (presence [n], frequency [n], repetition [n])
+    output_counts: torch.Tensor | None  # [n, vocab] float, occurrences in the output so far
+    context_mask: torch.Tensor | None  # [n, vocab] bool, token seen in prompt or output
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values)
+    generators: list[torch.Generator | None]  # per row; None: the shared generator
+    num_logprobs: int | None  # max top-N asked by any row; None: no row wants logprobs
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(self.greedy.all())
+
+
+def build_sampling_batch(
+    requests: list[Request], vocab_size: int, device, generators: list[torch.Generator | None]
+) -> SamplingBatch:
+    params = [r.params for r in requests]
+    f = lambda vals: torch.tensor(vals, dtype=torch.float32, device=device)  # noqa: E731
+    greedy = torch.tensor([p.greedy for p in params], device=device)
+    temperature = f([1.0 if p.greedy else p.temperature for p in params])
+    top_k = top_p = min_p = penalties = counts = seen = bias = None
+    if any(p.top_k for p in params):
+        top_k = torch.tensor([p.top_k or vocab_size for p in params], device=device)
+    if any(p.top_p < 1 for p in params):
+        top_p = f([p.top_p for p in params])
+    if any(p.min_p > 0 for p in params):
+        min_p = f([p.min_p for p in params])
+    if any(p.has_penalties for p in params):
+        penalties = tuple(f([getattr(p, a) for p in params]) for a in ("presence_penalty", "frequency_penalty", "repetition_penalty"))
+        counts, seen = _token_counts(requests, vocab_size, device)
+    if any(p.logit_bias for p in params):
+        entries = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items() if t < vocab_size]
+        rows, toks, vals = zip(*entries) if entries else ((), (), ())
+        bias = (torch.tensor(rows, dtype=torch.long), torch.tensor(toks, dtype=torch.long), f(vals))
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingBatch(
+        temperature, greedy, top_k, top_p, min_p, penalties, counts, seen, bias, generators, max(wanted, default=None)
+    )
+
+
+def _token_counts(requests: list[Request], vocab_size: int, device):
+    """Output-token counts [n, vocab] and a mask of every token in the context."""
+    n = len(requests)
+    counts = torch.zeros(n, vocab_size, device=device)
+    seen = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
+    for i, r in enumerate(requests):
+        out = torch.tensor(r.output_token_ids, dtype=torch.long, device=device)
+        counts[i].index_add_(0, out, torch.ones(len(out), device=device))
+        seen[i, torch.tensor(r.token_ids, dtype=torch.long, device=device)] = True
+    return counts, seen
+
+
+def penalized_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Penalties and logit_bias applied. logits [n, vocab] float32 -> [n, vocab]."""
+    if b.penalties is not None:
+        presence, frequency, repetition = (t.unsqueeze(1) for t in b.penalties)
+        rep = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(b.context_mask, rep, logits)
+        logits = logits - frequency * b.output_counts - presence * (b.output_counts > 0)
+    if b.bias is not None:
+        rows, toks, vals = b.bias
+        logits = logits.index_put((rows, toks), vals, accumulate=True)
+    return logits
+
+
+def processed_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Logits of the processed distribution p (removed tokens at -inf). [n, vocab]."""
+    logits = penalized_logits(logits, b) / b.temperature.unsqueeze(1)
+    if b.top_k is None and b.top_p is None and b.min_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, vocab]
+    ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if b.top_k is not None:
+        remove |= ranks >= b.top_k.unsqueeze(1)
+    if b.top_p is not None or b.min_p is not None:
+        probs = sorted_logits.masked_fill(remove, -torch.inf).softmax(-1)
+        if b.top_p is not None:  # keep the smallest prefix whose mass reaches top_p
+            remove |= (probs.cumsum(-1) - probs) >= b.top_p.unsqueeze(1)
+        if b.min_p is not None:
+            remove |= probs < b.min_p.unsqueeze(1) * probs[:, :1]
+    remove[:, 0] = False
+    return logits.scatter(1, order, sorted_logits.masked_fill(remove, -torch.inf))
+
+
+def processed_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """The processed distribution p of each row. [n, vocab]."""
+    return processed_logits(logits, b).softmax(-1)
+
+
+def exponential_noise(shape: tuple[int, int], generators: list, device) -> torch.Tensor:
+    """i.i.d. Exp(1) noise [n, vocab]; row i from ``generators[i]`` when given."""
+    noise = torch.empty(shape, device=device).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    return noise
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """One token per row. logits [n, vocab] float32 -> token ids [n] long."""
+    if b.all_greedy:
+        return penalized_logits(logits, b).argmax(-1)
+    probs = processed_probs(logits, b)
+    noise = exponential_noise(probs.shape, b.generators, probs.device)
+    random = (probs / noise).argmax(-1)
+    if not b.greedy.any():
+        return random
+    return torch.where(b.greedy, penalized_logits(logits, b).argmax(-1), random)
+
+
+def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> list[TokenLogprob]:
+    """Logprobs of the model's raw distribution: the chosen token's and the top ``top_n``."""
+    logp = logits.log_softmax(-1)
+    chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    top_vals, top_ids = logp.topk(top_n, dim=-1) if top_n else (None, None)
+    out = []
+    for i, tok in enumerate(tokens.tolist()):
+        top = tuple(zip(top_ids[i].tolist(), top_vals[i].tolist())) if top_n else ()
+        out.append(TokenLogprob(tok, chosen[i], top))
+    return out

@@ -1,0 +1,82 @@
+"""Per-request sampling settings, validated once at construction."""
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+GREEDY_EPS = 1e-5  # temperatures below this are greedy
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops.
+
+    Processing order of the logits (the "processed distribution" p):
+    repetition / presence / frequency penalties, logit_bias, temperature,
+    top-k, top-p, min-p. Temperature 0 is greedy: the argmax after penalties
+    and bias.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # top-N logprobs per output token (0 = only the sampled token's)
+    skip_special_tokens: bool = True
+    speculate: bool = True  # per-request opt-out of speculative decoding
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        _check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
+        _check(self.temperature >= 0, "temperature", f"must be non-negative, got {self.temperature}")
+        _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, "top_k", f"must be -1 (disabled) or at least 1, got {self.top_k}")
+        _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        _check(
+            -2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}"
+        )
+        _check(self.repetition_penalty > 0, "repetition_penalty", f"must be positive, got {self.repetition_penalty}")
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            "logprobs",
+            f"must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}",
+        )
+        for tok, bias in (self.logit_bias or {}).items():
+            _check(isinstance(tok, int) and tok >= 0, "logit_bias", f"keys must be token ids, got {tok!r}")
+            _check(-100 <= bias <= 100, "logit_bias", f"values must be in [-100, 100], got {bias}")
+        _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+class InvalidParameter(ValueError):
+    """A request parameter out of range; ``param`` names it (OpenAI's error ``param``)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param} {message}")
+        self.param = param
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidParameter(param, message)

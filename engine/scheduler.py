@@ -1,0 +1,170 @@
+"""The scheduler: which requests run this step and how many tokens each computes.
+
+One rule: every running request catches ``num_computed_tokens`` up to
+``num_tokens``. A new prompt, a chunk of a long prompt, a request resumed after
+preemption and a decode are the same thing with different counts. It speaks
+ids and counts only (no torch) and hands the runner one frozen
+``SchedulerOutput`` per step.
+
+Order: running requests first, oldest first, then waiting ones while the token
+budget, ``max_num_seqs`` and free blocks allow. When a running request cannot
+get blocks, the newest running request is preempted: its blocks are freed, its
+computed count drops to zero, and it goes back to the front of the waiting
+queue, to be recomputed from its tokens (prompt and output so far).
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.request import Request, RequestStatus
+from engine.stop import append_tokens
+from kvcache import KVCacheManager
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request  # read by the runner for sampling; never modified by it
+    token_ids: tuple[int, ...]  # tokens computed this step: positions context_len ..
+    context_len: int  # tokens already in the KV cache
+    block_table: tuple[int, ...]
+    sample: bool  # the last token's logits give the next token (False mid-prompt)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledRequest, ...]
+    preempted_ids: tuple[str, ...] = ()
+    finished_ids: tuple[str, ...] = ()  # ended since the last step: the runner drops their state
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, list[int]]  # request id -> new tokens (one per request in plain decoding)
+    logprobs: dict[str, list] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+        self.watermark = max(1, kv.pool.num_blocks // 100)  # blocks kept free when admitting
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        """End a request wherever it is and free its blocks."""
+        if request.request_id not in self.requests:
+            return
+        if not request.is_finished:
+            request.finish(reason, error)
+        del self.requests[request.request_id]
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request.request_id)
+        self._finished_ids.append(request.request_id)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._reserve(req, n, preempted):
+                break
+            scheduled.append(self._scheduled(req, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = self.kv.num_new_blocks(req.request_id, req.num_computed_tokens + n)
+            if need > self.kv.num_free_blocks - self.watermark and self.running:
+                break
+            if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(self._scheduled(req, n))
+            budget -= n
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(tuple(scheduled), tuple(preempted), finished)
+
+    def _reserve(self, req: Request, n: int, preempted: list[str]) -> bool:
+        """Blocks for ``n`` more tokens of ``req``, preempting the newest running
+        requests as needed. False when ``req`` itself had to be preempted."""
+        while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return ScheduledRequest(
+            request=req,
+            token_ids=tuple(req.token_ids[start : start + n]),
+            context_len=start,
+            block_table=tuple(self.kv.block_table(req.request_id)),
+            sample=start + n == req.num_tokens,
+        )
+
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Advance computed counts, append sampled tokens, apply stops.
+
+        Returns the requests that got new tokens (finished ones included); the
+        finished ones have already released their blocks.
+        """
+        touched = []
+        for s in out.scheduled:
+            req = s.request
+            if req.is_finished or req.request_id not in self.requests:
+                continue  # aborted during the step
+            req.num_computed_tokens += len(s.token_ids)
+            tokens = result.sampled.get(req.request_id)
+            if not tokens:
+                continue
+            append_tokens(req, tokens, self.max_model_len, result.logprobs.get(req.request_id))
+            touched.append(req)
+            if req.is_finished:
+                self.finish(req, req.finish_reason)
+        return touched
