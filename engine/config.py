@@ -54,3 +54,31 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: "SpeculativeConfig" = field(default_factory=lambda: SpeculativeConfig())
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``--speculative-config`` (shaped like vLLM's). ``method`` None: no speculation."""
+
+    method: str | None = None  # ngram | draft_model | early_exit
+    num_speculative_tokens: int = 4  # k: most drafts per request per step
+    prompt_lookup_max: int = 4  # ngram: longest suffix matched
+    prompt_lookup_min: int = 1  # ngram: shortest suffix matched
+    model: str | None = None  # draft_model: local directory or GGUF file
+    num_layers: int | None = None  # early_exit: layers of the target that draft
+    adaptive: bool = True  # choose k per request from its measured acceptance; pause when it does not pay
+
+    def __post_init__(self):
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "SpeculativeConfig":
+        if not d:
+            return cls()
+        known = set(cls.__dataclass_fields__)
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown speculative-config keys {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)

@@ -6,8 +6,11 @@ Not thread-safe: one thread calls ``add_request``, ``abort_request`` and
 """
 
 import logging
+import time
 
 import torch
+
+from drafters.base import DraftSlot, build_drafter
 
 from engine.config import EngineConfig
 from engine.loader import load_config, load_model, load_tokenizer
@@ -17,7 +20,9 @@ from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampling_params import InvalidParameter, SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput, no_drafts
+from engine.spec_policy import SpecPolicy
+from engine.stats import StepTimes, make_step_stats, measure_verify_cost
 from engine.stop import holdback
 from kvcache import KVCacheManager, blocks_needed
 from kvcache.tensors import KVSpec, PagedKV
@@ -52,9 +57,12 @@ class LLMEngine:
             )
         self.kv_manager = KVCacheManager(num_blocks, spec.block_size)
         self.paged_kv = PagedKV(spec, num_blocks, device)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.runner = ModelRunner(model, self.paged_kv, spec.block_size, device, config.model.seed)
+        self.drafter, self.policy = self._speculation(config, num_blocks, spec, device, dtype)
+        slots = self.policy.num_draft_slots if self.policy else no_drafts
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, slots)
         self.eos_token_ids = _eos_ids(hf_config, tokenizer)
+        self.stat_loggers: list = []  # callables taking each step's StepStats
         log.info("engine ready: %d KV blocks of %d tokens on %s (%s)", num_blocks, spec.block_size, device, dtype)
 
     def tokenize(self, prompt: str) -> list[int]:
@@ -83,6 +91,11 @@ class LLMEngine:
         self.scheduler.add(req)
         return req
 
+    def spec_summary(self, request_id: str) -> dict:
+        """The request's speculation record (empty without speculation)."""
+        st = self.policy.states.get(request_id) if self.policy else None
+        return st.summary() if st else {}
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.requests.get(request_id)
         if req is None:
@@ -98,13 +111,53 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def _speculation(self, config: EngineConfig, num_blocks: int, spec: KVSpec, device, dtype):
+        sc = config.speculative
+        if sc.method is None:
+            return None, None
+        drafter = build_drafter(
+            sc, target=self.model, tokenizer=self.tokenizer, num_blocks=num_blocks,
+            block_size=spec.block_size, dtype=dtype, device=device,
+        )
+        verify_cost = measure_verify_cost(self.model, self.runner, sc.num_speculative_tokens, spec.block_size)
+        log.info("speculation: %s, k=%d, draft cost %.3f, verify cost %.3f per token",
+                 sc.method, sc.num_speculative_tokens, drafter.cost_per_token, verify_cost)
+        return drafter, SpecPolicy(sc, drafter.cost_per_token, verify_cost)
+
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
-        result = self.runner.execute(scheduled)
+        drafts = self._propose(scheduled)
+        t1 = time.perf_counter()
+        result = self.runner.execute(scheduled, drafts)
+        t2 = time.perf_counter()
         touched = self.scheduler.update(scheduled, result)
+        self._after_step(scheduled, result, touched, StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t0))
         return [self._delta(r) for r in touched]
+
+    def _propose(self, scheduled: SchedulerOutput) -> dict:
+        if self.drafter is None:
+            return {}
+        for rid in scheduled.finished_ids:
+            self.drafter.free(rid)
+        slots = [DraftSlot(s.request, s.num_draft_slots) for s in scheduled.scheduled if s.num_draft_slots]
+        return self.drafter.propose(slots) if slots else {}
+
+    def _after_step(self, scheduled: SchedulerOutput, result: RunnerOutput, touched: list[Request], times) -> None:
+        """Tell the drafter what was kept, feed the policy, report stats."""
+        if self.policy is not None:
+            for s in scheduled.scheduled:
+                rid = s.request_id
+                self.policy.record(s.request, result.num_drafted.get(rid, 0), result.num_accepted.get(rid, 0))
+                if not s.request.is_finished:
+                    self.drafter.commit(s.request)
+            self.policy.end_step()
+        if self.stat_loggers:
+            stats = make_step_stats(self, scheduled, result, touched, times)
+            for logger in self.stat_loggers:
+                logger(stats)
 
     def _delta(self, req: Request) -> RequestOutput:
         """The part of ``req``'s output not yet emitted."""
@@ -124,7 +177,16 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens,
             logprobs=logprobs,
             error=req.error,
+            spec=self._finish_spec(req) if req.is_finished else {},
         )
+
+    def _finish_spec(self, req: Request) -> dict:
+        if self.policy is None:
+            return {}
+        summary = self.spec_summary(req.request_id)
+        self.policy.free(req.request_id)
+        self.drafter.free(req.request_id)
+        return summary
 
 
 def _eos_ids(hf_config, tokenizer) -> frozenset[int]:

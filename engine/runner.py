@@ -1,18 +1,36 @@
-"""The model runner: one batched forward per step, then sampling.
+"""The model runner: one batched forward per step, then sampling or verification.
 
-It turns a ``SchedulerOutput`` into flat input tensors (built in numpy, copied
-once), runs the target once over every scheduled token, computes logits only at
-the positions that sample, and samples them.
+It turns a ``SchedulerOutput`` (plus the step's drafts) into flat input tensors
+built in numpy and copied once, runs the target ONCE over every scheduled token
+(prefill chunks, decodes, and each decode's draft chain), computes logits only
+at the positions that sample, and then either samples one token per request
+(no drafts) or verifies the drafts with the rejection sampler.
+
+Rows: a request with ``k`` drafts contributes ``k + 1`` logit rows, row ``i``
+being the target's distribution after the first ``i`` drafts::
+
+    tokens fed:  t_last  d1  d2  d3        (k = 3)
+    logit row:   0       1   2   3         row i predicts the token after d_i
 """
 
 import numpy as np
 import torch
 
+from drafters.base import Draft
 from engine.attention import SeqSpec, build_attention_metadata
 from engine.outputs import TokenLogprob
-from engine.sampler import build_sampling_batch, compute_logprobs, sample
+from engine.rejection_sampler import PLACEHOLDER, rejection_sample
+from engine.request import Request
+from engine.sampler import (
+    build_sampling_batch,
+    compute_logprobs,
+    exponential_noise,
+    penalized_logits,
+    processed_probs,
+    sample,
+)
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RunnerOutput, SchedulerOutput
+from engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 from kvcache.tensors import PagedKV
 
 
@@ -27,39 +45,114 @@ class ModelRunner:
         torch.manual_seed(seed)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput, drafts: dict[str, Draft] | None = None) -> RunnerOutput:
         for rid in out.finished_ids:
             self.generators.pop(rid, None)
+        drafts = drafts or {}
         sched = out.scheduled
-        query_lens = np.array([len(s.token_ids) for s in sched], dtype=np.int64)
-        input_ids = np.fromiter((t for s in sched for t in s.token_ids), dtype=np.int64, count=int(query_lens.sum()))
-        positions = np.concatenate([np.arange(s.context_len, s.context_len + len(s.token_ids)) for s in sched])
-        specs = [SeqSpec(s.context_len, len(s.token_ids), list(s.block_table)) for s in sched]
+        chains = [s.token_ids + tuple(drafts[s.request_id].token_ids if s.request_id in drafts else ()) for s in sched]
+        logits, rows = self._forward(sched, chains)
+        if logits is None:
+            return RunnerOutput({})
+        requests = [sched[i].request for i in rows]
+        row_drafts = [drafts.get(r.request_id) for r in requests]
+        if not any(row_drafts):
+            return self._sample(logits, requests)
+        return self._verify(logits, requests, row_drafts)
+
+    def _forward(self, sched: tuple[ScheduledRequest, ...], chains: list[tuple[int, ...]]):
+        """One target pass. Returns logits [R, vocab] of the sampling rows, and
+        the index (into ``sched``) of each sampling request."""
+        query_lens = np.array([len(c) for c in chains], dtype=np.int64)
+        input_ids = np.fromiter((t for c in chains for t in c), dtype=np.int64, count=int(query_lens.sum()))
+        positions = np.concatenate([np.arange(s.context_len, s.context_len + len(c)) for s, c in zip(sched, chains)])
+        specs = [SeqSpec(s.context_len, len(c), list(s.block_table)) for s, c in zip(sched, chains)]
         meta = build_attention_metadata(specs, self.block_size, self.device)
         hidden = self.model(self._t(input_ids), self._t(positions), meta, self.kv)  # [T, hidden]
         rows = [i for i, s in enumerate(sched) if s.sample]
         if not rows:
-            return RunnerOutput({})
-        last = np.cumsum(query_lens)[rows] - 1
-        logits = self.model.compute_logits(hidden[self._t(last)])  # [S, vocab]
-        requests = [sched[i].request for i in rows]
-        batch = build_sampling_batch(
-            requests, self.vocab_size, self.device, [self._generator(r.request_id, r.params) for r in requests]
-        )
+            return None, rows
+        ends = np.cumsum(query_lens)
+        # k + 1 rows per sampling request: its last scheduled token and its drafts.
+        idx = np.concatenate([np.arange(ends[i] - (len(chains[i]) - len(sched[i].token_ids)) - 1, ends[i]) for i in rows])
+        return self.model.compute_logits(hidden[self._t(idx)]), rows
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> RunnerOutput:
+        """Plain decoding: one token per request. logits [n, vocab]."""
+        batch = build_sampling_batch(requests, self.vocab_size, self.device, self._generators(requests))
         tokens = sample(logits, batch)
-        ids = [r.request_id for r in requests]
-        result = RunnerOutput({rid: [t] for rid, t in zip(ids, tokens.tolist())})
+        result = RunnerOutput({r.request_id: [t] for r, t in zip(requests, tokens.tolist())})
         if batch.num_logprobs is not None:
-            lps = compute_logprobs(logits, tokens, batch.num_logprobs)
-            result.logprobs = {
-                r.request_id: [TokenLogprob(lp.token_id, lp.logprob, lp.top[: r.params.logprobs])]
-                for lp, r in zip(lps, requests)
-                if r.params.logprobs is not None
-            }
+            self._add_logprobs(result, logits, tokens, requests, batch.num_logprobs)
         return result
+
+    def _verify(self, logits: torch.Tensor, requests: list[Request], drafts: list[Draft | None]) -> RunnerOutput:
+        """Greedy matching / rejection sampling of every request's drafts at once.
+
+        logits [R, vocab] with R = sum(k_r + 1) rows, request by request.
+        """
+        n = len(requests)
+        k = [len(d.token_ids) if d else 0 for d in drafts]
+        k_max = max(k)
+        row_req = np.repeat(np.arange(n), np.array(k) + 1)  # [R] request of each row
+        row_pos = np.concatenate([np.arange(ki + 1) for ki in k])  # [R] position within its chain
+        row_requests = [requests[i] for i in row_req]
+        prefixes = [tuple(drafts[i].token_ids[:p]) if drafts[i] else () for i, p in zip(row_req, row_pos)]
+        batch = build_sampling_batch(row_requests, self.vocab_size, self.device, [None] * len(row_req), prefixes)
+        rr, rp = self._t(row_req), self._t(row_pos)
+        argmax = torch.zeros(n, k_max + 1, dtype=torch.long, device=self.device)
+        argmax[rr, rp] = penalized_logits(logits, batch).argmax(-1)
+        probs = torch.zeros(n, k_max + 1, self.vocab_size, device=self.device)
+        if not batch.all_greedy:
+            probs[rr, rp] = processed_probs(logits, batch)
+        draft_ids = torch.full((n, k_max), PLACEHOLDER, dtype=torch.long, device=self.device)
+        draft_probs = None if all(d is None or d.probs is None for d in drafts) else torch.zeros(n, k_max, self.vocab_size, device=self.device)
+        for i, d in enumerate(drafts):
+            if d:
+                draft_ids[i, : k[i]] = torch.tensor(d.token_ids, device=self.device)
+                if draft_probs is not None and d.probs is not None:
+                    draft_probs[i, : k[i]] = d.probs
+        gens = self._generators(requests)
+        uniforms, noise = self._randomness(n, k_max, gens)
+        greedy = torch.tensor([r.params.greedy for r in requests], device=self.device)
+        out, accepted = rejection_sample(probs, argmax, draft_ids, draft_probs, self._t(np.array(k)), greedy, uniforms, noise)
+        result = RunnerOutput({}, num_drafted={}, num_accepted={})
+        for i, (r, tokens, j) in enumerate(zip(requests, out.tolist(), accepted.tolist())):
+            result.sampled[r.request_id] = tokens[: j + 1]
+            if k[i]:
+                result.num_drafted[r.request_id] = k[i]
+                result.num_accepted[r.request_id] = j
+        if batch.num_logprobs is not None:
+            self._add_chain_logprobs(result, logits, row_req, row_pos, requests, batch.num_logprobs)
+        return result
+
+    def _randomness(self, n: int, k_max: int, gens: list[torch.Generator | None]):
+        """Uniforms [n, k_max] and Exp(1) noise [n, vocab]; a seeded request's from its generator."""
+        uniforms = torch.rand(n, k_max, device=self.device)
+        for i, g in enumerate(gens):
+            if g is not None:
+                uniforms[i] = torch.rand(k_max, generator=g, device=self.device)
+        return uniforms, exponential_noise((n, self.vocab_size), gens, self.device)
+
+    def _add_logprobs(self, result, logits, tokens, requests, top_n) -> None:
+        lps = compute_logprobs(logits, tokens, top_n)
+        for lp, r in zip(lps, requests):
+            if r.params.logprobs is not None:
+                result.logprobs.setdefault(r.request_id, []).append(
+                    TokenLogprob(lp.token_id, lp.logprob, lp.top[: r.params.logprobs])
+                )
+
+    def _add_chain_logprobs(self, result, logits, row_req, row_pos, requests, top_n) -> None:
+        """Logprobs of each emitted token, from the row that predicted it."""
+        keep = [i for i, (r, p) in enumerate(zip(row_req, row_pos)) if p < len(result.sampled[requests[r].request_id])]
+        tokens = torch.tensor([result.sampled[requests[row_req[i]].request_id][row_pos[i]] for i in keep])
+        self._add_logprobs(result, logits[self._t(np.array(keep))], tokens, [requests[row_req[i]] for i in keep], top_n)
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
+    def _generators(self, requests: list[Request]) -> list[torch.Generator | None]:
+        return [self._generator(r.request_id, r.params) for r in requests]
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
         if params.seed is None or params.greedy:

@@ -42,8 +42,17 @@ class SamplingBatch:
 
 
 def build_sampling_batch(
-    requests: list[Request], vocab_size: int, device, generators: list[torch.Generator | None]
+    requests: list[Request],
+    vocab_size: int,
+    device,
+    generators: list[torch.Generator | None],
+    drafted: list[tuple[int, ...]] | None = None,
 ) -> SamplingBatch:
+    """One row per entry of ``requests`` (a request may fill several rows).
+
+    ``drafted[i]`` are draft tokens that precede row i in its context: a
+    verification row's penalties count the drafts before it as output tokens.
+    """
     params = [r.params for r in requests]
     f = lambda vals: torch.tensor(vals, dtype=torch.float32, device=device)  # noqa: E731
     greedy = torch.tensor([p.greedy for p in params], device=device)
@@ -57,7 +66,7 @@ def build_sampling_batch(
         min_p = f([p.min_p for p in params])
     if any(p.has_penalties for p in params):
         penalties = tuple(f([getattr(p, a) for p in params]) for a in ("presence_penalty", "frequency_penalty", "repetition_penalty"))
-        counts, seen = _token_counts(requests, vocab_size, device)
+        counts, seen = _token_counts(requests, drafted or [()] * len(requests), vocab_size, device)
     if any(p.logit_bias for p in params):
         entries = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items() if t < vocab_size]
         rows, toks, vals = zip(*entries) if entries else ((), (), ())
@@ -68,15 +77,15 @@ def build_sampling_batch(
     )
 
 
-def _token_counts(requests: list[Request], vocab_size: int, device):
+def _token_counts(requests: list[Request], drafted: list[tuple[int, ...]], vocab_size: int, device):
     """Output-token counts [n, vocab] and a mask of every token in the context."""
     n = len(requests)
     counts = torch.zeros(n, vocab_size, device=device)
     seen = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
-    for i, r in enumerate(requests):
-        out = torch.tensor(r.output_token_ids, dtype=torch.long, device=device)
+    for i, (r, extra) in enumerate(zip(requests, drafted)):
+        out = torch.tensor(r.output_token_ids + list(extra), dtype=torch.long, device=device)
         counts[i].index_add_(0, out, torch.ones(len(out), device=device))
-        seen[i, torch.tensor(r.token_ids, dtype=torch.long, device=device)] = True
+        seen[i, torch.tensor(r.token_ids + list(extra), dtype=torch.long, device=device)] = True
     return counts, seen
 
 

@@ -14,6 +14,7 @@ queue, to be recomputed from its tokens (prompt and output so far).
 """
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
@@ -29,6 +30,7 @@ class ScheduledRequest:
     context_len: int  # tokens already in the KV cache
     block_table: tuple[int, ...]
     sample: bool  # the last token's logits give the next token (False mid-prompt)
+    num_draft_slots: int = 0  # drafts that may follow token_ids (KV slots reserved for them)
 
     @property
     def request_id(self) -> str:
@@ -52,13 +54,26 @@ class SchedulerOutput:
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, list[int]]  # request id -> new tokens (one per request in plain decoding)
+    sampled: dict[str, list[int]]  # request id -> new tokens: accepted drafts + recovered / bonus token
     logprobs: dict[str, list] = field(default_factory=dict)
+    num_drafted: dict[str, int] = field(default_factory=dict)  # drafts verified, per request that had any
+    num_accepted: dict[str, int] = field(default_factory=dict)
+
+
+def no_drafts(request: Request) -> int:
+    return 0
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        num_draft_slots: Callable[[Request], int] = no_drafts,
+    ):
         self.config = config
+        self.num_draft_slots = num_draft_slots  # the speculation policy: counts only
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -98,10 +113,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._reserve(req, n, preempted):
+            k = self._draft_slots(req, n, budget)
+            if not self._reserve(req, n + k, preempted):
                 break
-            scheduled.append(self._scheduled(req, n))
-            budget -= n
+            scheduled.append(self._scheduled(req, n, k))
+            budget -= n + k
             i += 1
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -118,6 +134,17 @@ class Scheduler:
             budget -= n
         finished, self._finished_ids = tuple(self._finished_ids), []
         return SchedulerOutput(tuple(scheduled), tuple(preempted), finished)
+
+    def _draft_slots(self, req: Request, n: int, budget: int) -> int:
+        """Draft slots after a decode token, within the budget and the request's limits."""
+        if n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+            return 0  # prefill or a partial chunk: nothing to draft after
+        room = min(
+            budget - 1,
+            req.params.max_tokens - req.num_output_tokens - 1,
+            self.max_model_len - req.num_tokens - 1,
+        )
+        return max(0, min(self.num_draft_slots(req), room))
 
     def _reserve(self, req: Request, n: int, preempted: list[str]) -> bool:
         """Blocks for ``n`` more tokens of ``req``, preempting the newest running
@@ -138,7 +165,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+    def _scheduled(self, req: Request, n: int, k: int = 0) -> ScheduledRequest:
         start = req.num_computed_tokens
         return ScheduledRequest(
             request=req,
@@ -146,25 +173,31 @@ class Scheduler:
             context_len=start,
             block_table=tuple(self.kv.block_table(req.request_id)),
             sample=start + n == req.num_tokens,
+            num_draft_slots=k,
         )
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
-        """Advance computed counts, append sampled tokens, apply stops.
+        """Advance computed counts, append sampled tokens, apply stops, roll back.
 
-        Returns the requests that got new tokens (finished ones included); the
-        finished ones have already released their blocks.
+        The KV entries of accepted drafts are kept (they were computed on the
+        right prefix); those of rejected drafts are simply not counted, and
+        blocks holding only rejected entries are freed. Returns the requests
+        that got new tokens (finished ones included, their blocks released).
         """
         touched = []
         for s in out.scheduled:
             req = s.request
             if req.is_finished or req.request_id not in self.requests:
                 continue  # aborted during the step
-            req.num_computed_tokens += len(s.token_ids)
-            tokens = result.sampled.get(req.request_id)
+            rid = req.request_id
+            req.num_computed_tokens += len(s.token_ids) + result.num_accepted.get(rid, 0)
+            tokens = result.sampled.get(rid)
             if not tokens:
                 continue
-            append_tokens(req, tokens, self.max_model_len, result.logprobs.get(req.request_id))
+            append_tokens(req, tokens, self.max_model_len, result.logprobs.get(rid))
             touched.append(req)
             if req.is_finished:
                 self.finish(req, req.finish_reason)
+            elif s.num_draft_slots:
+                self.kv.truncate(rid, req.num_tokens)
         return touched

@@ -53,6 +53,9 @@ class BatchedQuery:
     valid: torch.Tensor  # [n, max_q] bool, False on padding rows
     kv_slots: torch.Tensor  # [n, max_kv] slots of positions 0 .. max_kv-1 (garbage past each length)
     mask: torch.Tensor  # [n, 1, max_q, max_kv] bool, True = attend
+    valid_rows: torch.Tensor  # [num_valid] indices into the flattened [n * max_q] rows
+    valid_tokens: torch.Tensor  # [num_valid] flat token index of each valid row
+    rows_are_tokens: bool  # the rows are exactly the step's tokens, in order (no scatter needed)
 
 
 @dataclass
@@ -103,7 +106,7 @@ def _solo(spec: SeqSpec, start: int, block_size: int, device) -> SoloQuery:
     return SoloQuery(start, end, slots, torch.from_numpy(mask).to(device))
 
 
-def _batched(specs: list[SeqSpec], starts: list[int], block_size: int, device) -> BatchedQuery:
+def _batched(specs: list[SeqSpec], starts: list[int], total_tokens: int, block_size: int, device) -> BatchedQuery:
     ctx = np.array([s.context_len for s in specs], dtype=np.int64)  # [n]
     qlen = np.array([s.query_len for s in specs], dtype=np.int64)  # [n]
     max_q, max_kv = int(qlen.max()), int((ctx + qlen).max())
@@ -124,8 +127,13 @@ def _batched(specs: list[SeqSpec], starts: list[int], block_size: int, device) -
             c, m = s.context_len, s.query_len
             mask[r, :m, c : c + m] = tree_mask(s.parents)
             mask[r, m:] = mask[r, m - 1]
-    to = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
-    return BatchedQuery(to(token_index), to(valid), to(kv_slots), to(mask[:, None]))
+    valid_rows = np.flatnonzero(valid)
+    valid_tokens = token_index.reshape(-1)[valid_rows]
+    rows_are_tokens = bool(valid.all()) and np.array_equal(valid_tokens, np.arange(total_tokens))
+    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    return BatchedQuery(
+        to(token_index), to(valid), to(kv_slots), to(mask[:, None]), to(valid_rows), to(valid_tokens), rows_are_tokens
+    )
 
 
 def build_attention_metadata(specs: list[SeqSpec], block_size: int, device="cpu") -> AttentionMetadata:
@@ -140,5 +148,5 @@ def build_attention_metadata(specs: list[SeqSpec], block_size: int, device="cpu"
         if s.query_len > MAX_BATCHED_QUERY:
             meta.solo.append(_solo(s, starts[i], block_size, device))
     if short:
-        meta.batched = _batched([specs[i] for i in short], [starts[i] for i in short], block_size, device)
+        meta.batched = _batched([specs[i] for i in short], [starts[i] for i in short], starts[-1], block_size, device)
     return meta

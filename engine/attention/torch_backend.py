@@ -27,7 +27,7 @@ def paged_attention(q, k, v, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
         if s.kv_slots is None:
             ks, vs = k[s.start : s.end], v[s.start : s.end]
         else:
-            ks, vs = k_flat[s.kv_slots], v_flat[s.kv_slots]
+            ks, vs = k_flat.index_select(0, s.kv_slots), v_flat.index_select(0, s.kv_slots)
         o = F.scaled_dot_product_attention(
             qs, ks.transpose(0, 1), vs.transpose(0, 1),
             attn_mask=s.mask, is_causal=s.mask is None, enable_gqa=True,
@@ -35,10 +35,14 @@ def paged_attention(q, k, v, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
         out[s.start : s.end] = o.transpose(0, 1)
     b = meta.batched
     if b is not None:
-        qb = q[b.token_index].transpose(1, 2)  # [n, H, max_q, D]
-        kb = k_flat[b.kv_slots].transpose(1, 2)  # [n, KVH, max_kv, D]
-        vb = v_flat[b.kv_slots].transpose(1, 2)
+        n, max_q = b.token_index.shape
+        max_kv = b.kv_slots.shape[1]
+        qb = q.index_select(0, b.token_index.view(-1)).view(n, max_q, *q.shape[1:]).transpose(1, 2)
+        kb = k_flat.index_select(0, b.kv_slots.view(-1)).view(n, max_kv, *k.shape[1:]).transpose(1, 2)
+        vb = v_flat.index_select(0, b.kv_slots.view(-1)).view(n, max_kv, *v.shape[1:]).transpose(1, 2)
         o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask, enable_gqa=True)
-        o = o.transpose(1, 2)  # [n, max_q, H, D]
-        out[b.token_index[b.valid]] = o[b.valid]
+        o = o.transpose(1, 2).reshape(n * max_q, *q.shape[1:])  # [n * max_q, H, D]
+        if b.rows_are_tokens:
+            return o
+        out.index_copy_(0, b.valid_tokens, o.index_select(0, b.valid_rows))
     return out

@@ -1,0 +1,67 @@
+"""The one interface every drafter implements, and the registry that builds them.
+
+Per step the engine calls ``propose`` once, after scheduling, with the requests
+that have draft slots this step. After verification it calls ``commit`` with
+each request's final token count, so a drafter with a KV cache of its own can
+roll back the entries of rejected drafts; ``free`` when a request ends.
+"""
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+
+
+@dataclass(frozen=True)
+class DraftSlot:
+    request: Request  # read-only: committed token_ids and sampling params
+    num_tokens: int  # at most this many drafts (decided before drafting: non-anticipating)
+
+
+@dataclass
+class Draft:
+    token_ids: list[int]
+    probs: torch.Tensor | None = None  # [len(token_ids), vocab] q each draft was sampled from; None: one-hot
+
+
+class Drafter(ABC):
+    #: q is one-hot at the proposed token (prompt lookup); False: drafts carry ``probs``.
+    deterministic: bool = True
+    #: Cost of drafting one token, in target decode steps (the speculation policy's ``c``).
+    cost_per_token: float = 0.0
+
+    @abstractmethod
+    def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
+        """Drafts for some of the slots (a request may get none), keyed by request id."""
+
+    def commit(self, request: Request) -> None:
+        """``request.token_ids`` are final up to their current length; called after every step."""
+
+    def free(self, request_id: str) -> None:
+        """The request ended; drop everything held for it."""
+
+
+_REGISTRY: dict[str, Callable[..., Drafter]] = {}
+
+
+def register(name: str):
+    def deco(factory):
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def build_drafter(spec_config, **context) -> Drafter:
+    """The drafter named by ``spec_config.method``; ``context`` offers the target
+    model, device, dtype, cache sizing, ... to factories that need them."""
+    import drafters.draft_model  # noqa: F401 - registers draft_model and early_exit
+    import drafters.ngram  # noqa: F401 - registers ngram
+
+    factory = _REGISTRY.get(spec_config.method)
+    if factory is None:
+        raise ValueError(f"unknown speculative method {spec_config.method!r}; known: {sorted(_REGISTRY)}")
+    return factory(spec_config, **context)

@@ -1,0 +1,158 @@
+"""Drafting with a model: a separate small model, or the target's first layers.
+
+The drafter keeps its own paged KV cache. Each step it first reads the
+committed tokens it has not seen (a new request's whole context; afterwards the
+correction or bonus token, plus its own last draft after a fully accepted
+round), then drafts ``k`` tokens one forward pass at a time, batched over the
+requests. Each draft is sampled from q, the draft model's distribution processed
+with the request's own sampling settings (temperature, top-k, top-p, min-p,
+penalties with the earlier drafts in the context); q travels with the drafts so
+that verification divides by the distribution really sampled from.
+
+Cache contents after drafting ``d_1 .. d_k`` over ``L0`` committed tokens: the
+``L0`` tokens and ``d_1 .. d_{k-1}`` (``d_k`` is sampled, never fed). ``commit``
+keeps the longest prefix of that which the target committed and rolls back
+the rest.
+"""
+
+import numpy as np
+import torch
+
+from drafters.base import Draft, Drafter, DraftSlot, register
+from engine.attention import SeqSpec, build_attention_metadata
+from engine.models.llama import head_dim_of
+from engine.request import Request
+from engine.sampler import build_sampling_batch, exponential_noise, penalized_logits, processed_probs
+from kvcache import KVCacheManager
+from kvcache.tensors import KVSpec, PagedKV
+
+
+class ModelDrafter(Drafter):
+    deterministic = False
+
+    def __init__(self, model, num_layers: int, num_blocks: int, block_size: int, dtype, device, cost_per_token: float):
+        self.model, self.num_layers, self.device = model, num_layers, device
+        self.block_size = block_size
+        cfg = model.config
+        spec = KVSpec(num_layers, cfg.num_key_value_heads, head_dim_of(cfg), block_size, dtype)
+        self.kv = KVCacheManager(num_blocks, block_size)
+        self.paged = PagedKV(spec, num_blocks, device)
+        self.cost_per_token = cost_per_token
+        self.cached: dict[str, list[int]] = {}  # request id -> tokens whose KV is in the draft cache
+        self.generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
+        live = [s for s in slots if s.num_tokens > 0]
+        feeds = {s.request.request_id: s.request.token_ids[len(self._cached(s.request)) :] for s in live}
+        drafts: dict[str, list[int]] = {s.request.request_id: [] for s in live}
+        probs: dict[str, list[torch.Tensor]] = {s.request.request_id: [] for s in live}
+        for step in range(max((s.num_tokens for s in live), default=0)):
+            live = [s for s in live if len(drafts[s.request.request_id]) < s.num_tokens]
+            live = [s for s in live if self._reserve(s.request, feeds[s.request.request_id])]
+            if not live:
+                break
+            q, tokens = self._draft_step(live, feeds, drafts)
+            for i, s in enumerate(live):
+                rid = s.request.request_id
+                self.cached[rid].extend(feeds[rid])
+                drafts[rid].append(tokens[i])
+                probs[rid].append(q[i])
+                feeds[rid] = [tokens[i]]
+        return {rid: Draft(toks, torch.stack(probs[rid])) for rid, toks in drafts.items() if toks}
+
+    def _cached(self, request: Request) -> list[int]:
+        return self.cached.setdefault(request.request_id, [])
+
+    def _reserve(self, request: Request, feed: list[int]) -> bool:
+        rid = request.request_id
+        return self.kv.allocate_slots(rid, len(self.cached[rid]) + len(feed))
+
+    def _draft_step(self, live: list[DraftSlot], feeds, drafts):
+        """One batched forward of the draft model; q [n, vocab] and one sampled token per request."""
+        specs, ids, positions = [], [], []
+        for s in live:
+            rid = s.request.request_id
+            start, feed = len(self.cached[rid]), feeds[rid]
+            specs.append(SeqSpec(start, len(feed), self.kv.block_table(rid)))
+            ids.extend(feed)
+            positions.extend(range(start, start + len(feed)))
+        meta = build_attention_metadata(specs, self.block_size, self.device)
+        t = lambda a: torch.tensor(a, dtype=torch.long, device=self.device)  # noqa: E731
+        hidden = self.model(t(ids), t(positions), meta, self.paged, num_layers=self.num_layers)
+        last = np.cumsum([sp.query_len for sp in specs]) - 1
+        logits = self.model.compute_logits(hidden[t(last)])  # [n, vocab]
+        requests = [s.request for s in live]
+        batch = build_sampling_batch(
+            requests,
+            logits.shape[-1],
+            self.device,
+            [self._generator(r) for r in requests],
+            [tuple(drafts[r.request_id]) for r in requests],
+        )
+        q = processed_probs(logits, batch)
+        sampled = (q / exponential_noise(q.shape, batch.generators, self.device)).argmax(-1)
+        tokens = torch.where(batch.greedy, penalized_logits(logits, batch).argmax(-1), sampled)
+        return q, tokens.tolist()
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        seed = request.params.seed
+        if seed is None or request.params.greedy:
+            return None
+        g = self.generators.get(request.request_id)
+        if g is None:  # a stream of its own, distinct from the target sampler's
+            g = self.generators[request.request_id] = torch.Generator(self.device).manual_seed(seed ^ 0x5DEECE66D)
+        return g
+
+    def commit(self, request: Request) -> None:
+        cached = self.cached.get(request.request_id)
+        if cached is None:
+            return
+        keep = 0
+        final = request.token_ids
+        while keep < len(cached) and keep < len(final) and cached[keep] == final[keep]:
+            keep += 1
+        del cached[keep:]
+        self.kv.truncate(request.request_id, keep)
+
+    def free(self, request_id: str) -> None:
+        self.cached.pop(request_id, None)
+        self.generators.pop(request_id, None)
+        self.kv.free(request_id)
+
+
+@register("early_exit")
+def _early_exit(spec, *, target, num_blocks, block_size, dtype, device, **_) -> ModelDrafter:
+    """Self-drafting: the target's first ``num_layers`` layers, its final norm and head."""
+    total = target.config.num_hidden_layers
+    layers = spec.num_layers or max(1, total // 4)
+    if not 1 <= layers < total:
+        raise ValueError(f"early_exit num_layers must be in [1, {total - 1}], got {layers}")
+    return ModelDrafter(target, layers, num_blocks, block_size, dtype, device, cost_per_token=layers / total)
+
+
+@register("draft_model")
+def _draft_model(spec, *, target, tokenizer, num_blocks, block_size, dtype, device, **_) -> ModelDrafter:
+    """A separate, smaller model that shares the target's tokenizer."""
+    from engine.loader import load_model, load_tokenizer
+    from engine.model_store import resolve_model
+
+    if not spec.model:
+        raise ValueError('speculative method "draft_model" needs "model": a local directory or GGUF file')
+    path = resolve_model(spec.model)
+    draft = load_model(path, dtype, device, max_positions=target.rotary.cos.shape[0])
+    check_same_vocab(tokenizer, load_tokenizer(path), target.config.vocab_size, draft.config.vocab_size)
+    ratio = _param_count(draft) / _param_count(target)
+    return ModelDrafter(draft, draft.config.num_hidden_layers, num_blocks, block_size, dtype, device, ratio)
+
+
+def check_same_vocab(target_tok, draft_tok, target_vocab: int, draft_vocab: int) -> None:
+    if target_vocab != draft_vocab or target_tok.get_vocab() != draft_tok.get_vocab():
+        raise ValueError(
+            f"the draft model's vocabulary ({draft_vocab} entries) differs from the target's ({target_vocab}); "
+            "a draft model must share the target's tokenizer"
+        )
+
+
+def _param_count(model) -> int:
+    return sum(p.numel() for p in model.parameters())

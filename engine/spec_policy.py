@@ -1,0 +1,118 @@
+"""How many drafts each request gets this step: the speculation policy. No torch.
+
+The decision uses only what is already known before drafting (the request's
+past acceptance, the measured costs), never the drafted tokens themselves, so
+it is non-anticipating and verification stays exact.
+
+Cost model, in target decode steps: a round with ``g`` drafts costs
+``1 + g * (c + v)``, where ``c`` is the drafter's cost per token and ``v`` the
+extra cost of one more token in the verification pass. It emits
+``1 + a + a^2 + ... + a^g`` tokens on average when each draft is accepted
+with probability ``a`` given the ones before were. The policy picks the ``g``
+in ``1..k`` with the best tokens per cost; when even that is below 1 the
+request stops drafting for a while, then retries.
+"""
+
+from dataclasses import dataclass
+
+from engine.config import SpeculativeConfig
+from engine.request import Request
+
+PRIOR_ACCEPTANCE = 0.6  # acceptance assumed before a request has any history
+EMA = 0.3  # weight of the newest round in the acceptance estimate
+MIN_PAUSE, MAX_PAUSE = 8, 256  # steps a request stops drafting after drafts did not pay
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Mean tokens a round emits: ``1 + alpha + ... + alpha^gamma``."""
+    return sum(alpha**i for i in range(gamma + 1))
+
+
+def speedup(alpha: float, gamma: int, c: float, v: float = 0.0, parallel: bool = False) -> float:
+    """Tokens per target-step of cost: ``expected_tokens / (1 + draft cost + gamma * v)``."""
+    draft_cost = c if parallel else gamma * c
+    return expected_tokens(alpha, gamma) / (1 + draft_cost + gamma * v)
+
+
+def best_gamma(alpha: float, c: float, max_gamma: int, v: float = 0.0, parallel: bool = False) -> tuple[int, float]:
+    """``(gamma, speedup)`` with the best speedup in 1..max_gamma (smallest on ties)."""
+    best = (1, speedup(alpha, 1, c, v, parallel))
+    for g in range(2, max_gamma + 1):
+        s = speedup(alpha, g, c, v, parallel)
+        if s > best[1] + 1e-12:
+            best = (g, s)
+    return best
+
+
+@dataclass
+class SpecState:
+    """One request's speculation record."""
+
+    alpha: float = PRIOR_ACCEPTANCE
+    paused_until: int = 0  # step index before which the request does not draft
+    pause_len: int = MIN_PAUSE
+    num_drafts: int = 0  # rounds that verified at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def summary(self) -> dict:
+        mean = 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "mean_acceptance_length": round(mean, 4),
+        }
+
+
+class SpecPolicy:
+    def __init__(self, config: SpeculativeConfig, draft_cost: float, verify_cost: float):
+        self.config = config
+        self.c = draft_cost
+        self.v = verify_cost
+        self.step = 0
+        self.states: dict[str, SpecState] = {}
+
+    def state(self, request: Request) -> SpecState:
+        return self.states.setdefault(request.request_id, SpecState())
+
+    def num_draft_slots(self, request: Request) -> int:
+        """Drafts to verify for ``request`` this step (0: plain decoding)."""
+        if not request.params.speculate:
+            return 0
+        k = self.config.num_speculative_tokens
+        if not self.config.adaptive:
+            return k
+        st = self.state(request)
+        if self.step < st.paused_until:
+            return 0
+        gamma, gain = best_gamma(st.alpha, self.c, k, self.v)
+        if gain >= 1.0:
+            return gamma
+        st.paused_until = self.step + st.pause_len
+        st.pause_len = min(2 * st.pause_len, MAX_PAUSE)
+        st.alpha = PRIOR_ACCEPTANCE  # retry with fresh hope once the pause ends
+        return 0
+
+    def is_paused(self, request_id: str) -> bool:
+        st = self.states.get(request_id)
+        return st is not None and self.step < st.paused_until
+
+    def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        """After verification: ``num_accepted`` of ``num_drafted`` drafts were kept."""
+        if num_drafted == 0:
+            return
+        st = self.state(request)
+        st.num_drafts += 1
+        st.num_draft_tokens += num_drafted
+        st.num_accepted_tokens += num_accepted
+        tested = min(num_accepted + 1, num_drafted)  # positions whose accept test ran
+        st.alpha = (1 - EMA) * st.alpha + EMA * (num_accepted / tested)
+        if num_accepted > 0:
+            st.pause_len = MIN_PAUSE
+
+    def end_step(self) -> None:
+        self.step += 1
+
+    def free(self, request_id: str) -> SpecState | None:
+        return self.states.pop(request_id, None)

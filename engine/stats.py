@@ -1,0 +1,95 @@
+"""Per-step statistics handed to stat loggers (the Prometheus adapter is one),
+and the start-up measurement of the verification cost used by the policy."""
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention import SeqSpec, build_attention_metadata
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    draft_s: float  # scheduling + drafting
+    execute_s: float  # target pass + sampling / verification
+    step_s: float
+
+
+@dataclass(frozen=True)
+class SpecStepStats:
+    num_drafts: int  # requests that verified at least one draft
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: tuple[int, ...]  # [k]: accepted drafts at each position
+    tokens_per_round: tuple[int, ...]  # tokens emitted by each drafting request
+    num_paused: int  # requests whose drafting is paused
+
+
+@dataclass(frozen=True)
+class StepStats:
+    times: StepTimes
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_preemptions_total: int
+    num_scheduled_tokens: int
+    num_generated_tokens: int
+    finished: tuple = ()  # (request_id, finish_reason) ended this step
+    spec: SpecStepStats | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def make_step_stats(engine, scheduled, result, touched, times: StepTimes) -> StepStats:
+    spec = None
+    if engine.policy is not None:
+        k = engine.config.speculative.num_speculative_tokens
+        per_pos = [0] * k
+        for acc in result.num_accepted.values():
+            for i in range(acc):
+                per_pos[i] += 1
+        spec = SpecStepStats(
+            num_drafts=len(result.num_drafted),
+            num_draft_tokens=sum(result.num_drafted.values()),
+            num_accepted_tokens=sum(result.num_accepted.values()),
+            accepted_per_pos=tuple(per_pos),
+            tokens_per_round=tuple(len(result.sampled[r]) for r in result.num_drafted),
+            num_paused=sum(engine.policy.is_paused(r) for r in engine.scheduler.requests),
+        )
+    sched = engine.scheduler
+    return StepStats(
+        times=times,
+        num_running=len(sched.running),
+        num_waiting=len(sched.waiting),
+        kv_usage=engine.kv_manager.usage(),
+        num_preemptions_total=sched.num_preemptions,
+        num_scheduled_tokens=scheduled.num_tokens,
+        num_generated_tokens=sum(len(v) for v in result.sampled.values()),
+        finished=tuple((r.request_id, r.finish_reason) for r in touched if r.is_finished),
+        spec=spec,
+    )
+
+
+@torch.inference_mode()
+def measure_verify_cost(model, runner, k: int, block_size: int, context: int = 64, repeats: int = 5) -> float:
+    """Extra cost of one more token in a target pass, in plain decode steps.
+
+    Times a pass over 1 token and over 1 + k tokens after ``context`` tokens,
+    at batch 1, in the (still empty) KV cache. Call before serving.
+    """
+    device = runner.device
+    blocks = list(range(-(-(context + k + 1) // block_size)))
+    ids = torch.randint(0, model.config.vocab_size, (context + k + 1,), device=device)
+
+    def run(start: int, n: int) -> float:
+        meta = build_attention_metadata([SeqSpec(start, n, blocks)], block_size, device)
+        pos = torch.arange(start, start + n, device=device)
+        t = time.perf_counter()
+        model.compute_logits(model(ids[start : start + n], pos, meta, runner.kv)[-1:])
+        return time.perf_counter() - t
+
+    run(0, context)
+    one = statistics.median(run(context, 1) for _ in range(repeats))
+    many = statistics.median(run(context, 1 + k) for _ in range(repeats))
+    return max(0.0, (many - one) / (k * one))
