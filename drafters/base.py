@@ -9,15 +9,17 @@ roll back the entries of rejected drafts; ``free`` when a request ends.
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.request import Request
+if TYPE_CHECKING:
+    from engine.request import Request
 
 
 @dataclass(frozen=True)
 class DraftSlot:
-    request: Request  # read-only: committed token_ids and sampling params
+    request: "Request"  # read-only: committed token_ids and sampling params
     num_tokens: int  # at most this many drafts (decided before drafting: non-anticipating)
 
 
@@ -37,7 +39,7 @@ class Drafter(ABC):
     def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
         """Drafts for some of the slots (a request may get none), keyed by request id."""
 
-    def commit(self, request: Request) -> None:
+    def commit(self, request: "Request") -> None:
         """``request.token_ids`` are final up to their current length; called after every step."""
 
     def free(self, request_id: str) -> None:

@@ -110,7 +110,8 @@ class ModelDrafter(Drafter):
             return
         keep = 0
         final = request.token_ids
-        while keep < len(cached) and keep < len(final) and cached[keep] == final[keep]:
+        # The last committed token is always fed again: drafting needs its logits.
+        while keep < len(cached) and keep < len(final) - 1 and cached[keep] == final[keep]:
             keep += 1
         del cached[keep:]
         self.kv.truncate(request.request_id, keep)

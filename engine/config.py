@@ -68,6 +68,9 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: local directory or GGUF file
     num_layers: int | None = None  # early_exit: layers of the target that draft
     adaptive: bool = True  # choose k per request from its measured acceptance; pause when it does not pay
+    # Extra cost of one verified draft, in decode steps. None: measured at start-up. Pin it to
+    # make the policy's choices, and so seeded outputs, identical from one server start to the next.
+    verify_cost: float | None = None
 
     def __post_init__(self):
         if self.num_speculative_tokens < 1:

@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig = EngineConfig(), model=None, tokenizer=None):
+    def __init__(self, config: EngineConfig = EngineConfig(), model=None, tokenizer=None, drafter=None):
+        """``model``, ``tokenizer`` and ``drafter`` may be given ready-made (tests);
+        by default they are built from ``config``."""
         self.config = config
         device, dtype = config.model.torch_device(), config.model.torch_dtype()
         if model is None:
@@ -58,7 +60,7 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, spec.block_size)
         self.paged_kv = PagedKV(spec, num_blocks, device)
         self.runner = ModelRunner(model, self.paged_kv, spec.block_size, device, config.model.seed)
-        self.drafter, self.policy = self._speculation(config, num_blocks, spec, device, dtype)
+        self.drafter, self.policy = self._speculation(config, num_blocks, spec, device, dtype, drafter)
         slots = self.policy.num_draft_slots if self.policy else no_drafts
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, slots)
         self.eos_token_ids = _eos_ids(hf_config, tokenizer)
@@ -111,15 +113,19 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
-    def _speculation(self, config: EngineConfig, num_blocks: int, spec: KVSpec, device, dtype):
+    def _speculation(self, config: EngineConfig, num_blocks: int, spec: KVSpec, device, dtype, drafter=None):
         sc = config.speculative
-        if sc.method is None:
+        if sc.method is None and drafter is None:
             return None, None
-        drafter = build_drafter(
+        drafter = drafter or build_drafter(
             sc, target=self.model, tokenizer=self.tokenizer, num_blocks=num_blocks,
             block_size=spec.block_size, dtype=dtype, device=device,
         )
-        verify_cost = measure_verify_cost(self.model, self.runner, sc.num_speculative_tokens, spec.block_size)
+        verify_cost = sc.verify_cost
+        if verify_cost is None:
+            verify_cost = measure_verify_cost(
+                self.model, self.runner, sc.num_speculative_tokens, spec.block_size, self.max_model_len
+            )
         log.info("speculation: %s, k=%d, draft cost %.3f, verify cost %.3f per token",
                  sc.method, sc.num_speculative_tokens, drafter.cost_per_token, verify_cost)
         return drafter, SpecPolicy(sc, drafter.cost_per_token, verify_cost)

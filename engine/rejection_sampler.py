@@ -57,16 +57,21 @@ def rejection_sample(
     rows = num_accepted.view(n, 1, 1).expand(n, 1, target_probs.shape[2])
     p_j = target_probs.gather(1, rows).squeeze(1)  # [n, V]
     q_j = _draft_row(draft_probs, draft_ids, num_accepted, num_drafts, p_j)
-    residual = (p_j - q_j).clamp(min=0)
-    empty = residual.sum(dim=1, keepdim=True) <= 0  # p == q at that row: rejection impossible
-    residual = torch.where(empty, p_j, residual)
-    recovered = (residual / noise).argmax(dim=1)  # exponential race, no need to normalize
+    recovered = (residual_distribution(p_j, q_j) / noise).argmax(dim=1)  # exponential race
     extra = torch.where(greedy, target_argmax.gather(1, num_accepted.unsqueeze(1)).squeeze(1), recovered)
 
     out = torch.full((n, k_max + 1), PLACEHOLDER, dtype=torch.long, device=draft_ids.device)
     out[:, :k_max] = torch.where(pos < num_accepted.unsqueeze(1), draft_ids, PLACEHOLDER)
     out.scatter_(1, num_accepted.unsqueeze(1), extra.unsqueeze(1))
     return out, num_accepted
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``normalize(max(0, p - q))`` per row; ``p`` where p <= q everywhere (then a
+    rejection cannot happen, so any choice is exact). [n, V] -> [n, V]."""
+    residual = (p - q).clamp(min=0)
+    mass = residual.sum(dim=1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)
 
 
 def _draft_row(draft_probs, draft_ids, num_accepted, num_drafts, like: torch.Tensor) -> torch.Tensor:

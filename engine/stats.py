@@ -72,13 +72,14 @@ def make_step_stats(engine, scheduled, result, touched, times: StepTimes) -> Ste
 
 
 @torch.inference_mode()
-def measure_verify_cost(model, runner, k: int, block_size: int, context: int = 64, repeats: int = 5) -> float:
+def measure_verify_cost(model, runner, k: int, block_size: int, max_len: int, repeats: int = 5) -> float:
     """Extra cost of one more token in a target pass, in plain decode steps.
 
     Times a pass over 1 token and over 1 + k tokens after ``context`` tokens,
     at batch 1, in the (still empty) KV cache. Call before serving.
     """
     device = runner.device
+    context = max(1, min(64, max_len - k - 1))
     blocks = list(range(-(-(context + k + 1) // block_size)))
     ids = torch.randint(0, model.config.vocab_size, (context + k + 1,), device=device)
 

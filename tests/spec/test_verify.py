@@ -1,0 +1,85 @@
+"""The verification function on hand-made inputs: the reference's worked
+example computed exactly, greedy matching, bonus tokens, padding."""
+
+import numpy as np
+import torch
+
+from engine.rejection_sampler import PLACEHOLDER, rejection_sample, residual_distribution
+
+P = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+Q = torch.tensor([0.2, 0.6, 0.2], dtype=torch.float64)
+
+
+def verify_one(p_rows, q_rows, drafts, u, greedy=False, noise=None):
+    k = len(drafts)
+    p = torch.stack(p_rows).unsqueeze(0).float()  # [1, k + 1, V]
+    q = torch.stack(q_rows).unsqueeze(0).float() if q_rows is not None else None
+    ids = torch.tensor([drafts])
+    noise = torch.ones(1, p.shape[2]) if noise is None else noise
+    out, acc = rejection_sample(
+        p, p.argmax(-1), ids, q, torch.tensor([k]), torch.tensor([greedy]), torch.tensor([u]).float(), noise
+    )
+    return out[0].tolist(), int(acc[0])
+
+
+def acceptance_probability(x: int, grid: int = 10_000) -> float:
+    """P(accept draft x): the fraction of a fine, exact grid of uniforms u that accepts."""
+    us = (np.arange(grid) + 0.5) / grid
+    accepted = sum(verify_one([P, P], [Q], [x], [u])[1] for u in us[:: grid // 1000])
+    return accepted / 1000
+
+
+def test_worked_example_accepts_with_probability_0_7_and_emits_exactly_p():
+    # Acceptance per drafted token, read off the real function over a grid of u.
+    accept = {x: acceptance_probability(x) for x in range(3)}
+    assert accept == {0: 1.0, 1: 0.5, 2: 1.0}
+    assert abs(sum(Q[x].item() * accept[x] for x in range(3)) - 0.7) < 1e-12
+    residual = residual_distribution(P.unsqueeze(0), Q.unsqueeze(0))[0]
+    assert torch.allclose(residual, torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64))
+    # Enumerate: draft x ~ q; kept with prob accept[x]; else replaced by a residual sample.
+    emitted = torch.zeros(3, dtype=torch.float64)
+    for x in range(3):
+        emitted[x] += Q[x] * accept[x]
+        emitted += Q[x] * (1 - accept[x]) * residual
+    assert torch.allclose(emitted, P, atol=1e-12)
+
+
+def test_rejection_returns_the_residual_sample_and_padding():
+    # Draft b is rejected when u >= p(b)/q(b) = 0.5; the residual is all on a.
+    out, acc = verify_one([P, P, P], [Q, Q], [1, 1], [0.9, 0.0])
+    assert (out, acc) == ([0, PLACEHOLDER, PLACEHOLDER], 0)
+    out, acc = verify_one([P, P, P], [Q, Q], [1, 1], [0.1, 0.9])
+    assert (out, acc) == ([1, 0, PLACEHOLDER], 1)
+
+
+def test_all_accepted_gives_a_bonus_token_from_p():
+    noise = torch.tensor([[1.0, 1.0, 0.01]])  # the exponential race then picks token 2
+    out, acc = verify_one([P, P, P], [Q, Q], [0, 2], [0.0, 0.0], noise=noise)
+    assert (out, acc) == ([0, 2, 2], 2)
+
+
+def test_deterministic_drafts_use_a_one_hot_q():
+    # q one-hot at x: accept with probability p(x); residual = p without x.
+    out, acc = verify_one([P, P], None, [0], [0.49])
+    assert acc == 1
+    out, acc = verify_one([P, P], None, [0], [0.51], noise=torch.tensor([[0.01, 1.0, 1.0]]))
+    assert acc == 0 and out[0] != 0  # the drafted token itself has no residual mass
+
+
+def test_greedy_keeps_the_longest_matching_prefix_then_the_target_token():
+    p = [torch.nn.functional.one_hot(torch.tensor(t), 5).double() for t in (3, 1, 4, 2)]
+    out, acc = verify_one(p, None, [3, 1, 0], [1.0, 1.0, 1.0], greedy=True)
+    assert (out, acc) == ([3, 1, 4, PLACEHOLDER], 2)
+    out, acc = verify_one(p, None, [3, 1, 4], [1.0] * 3, greedy=True)
+    assert (out, acc) == ([3, 1, 4, 2], 3)
+
+
+def test_batch_rows_are_independent_and_padded():
+    p = torch.stack([torch.stack([P, P, P]), torch.stack([P, P, P])]).float()
+    ids = torch.tensor([[1, 1], [0, PLACEHOLDER]])
+    out, acc = rejection_sample(
+        p, p.argmax(-1), ids, None, torch.tensor([2, 1]), torch.tensor([False, False]),
+        torch.tensor([[0.1, 0.1], [0.1, 0.1]]), torch.ones(2, 3),
+    )
+    assert acc.tolist() == [2, 1]
+    assert out[1, 2].item() == PLACEHOLDER
