@@ -1,0 +1,141 @@
+"""The one Prometheus adapter: every prometheus_client object of the server lives here.
+
+Two kinds of input:
+
+* ``RequestStats``, one per engine request (one choice of one HTTP request),
+  updated by the serving layer as deltas arrive and reported when it ends;
+* ``EngineSnapshot``, read from the engine when Prometheus scrapes: running and
+  waiting requests, KV-cache usage, preemptions so far.
+
+Metrics live in a per-app ``CollectorRegistry`` (tests build several apps), all
+named ``specserve_*`` and labelled with ``model_name``. Only counters,
+histograms and instantaneous gauges are exported; rates are PromQL's job::
+
+    requests/s by reason    sum by (finish_reason) (rate(specserve_request_finished_total[1m]))
+    generation tokens/s     rate(specserve_generation_tokens_total[1m])
+    p99 time to first token histogram_quantile(0.99, sum by (le) (rate(specserve_time_to_first_token_seconds_bucket[5m])))
+    mean inter-token gap    rate(specserve_inter_token_latency_seconds_sum[1m])
+                            / rate(specserve_inter_token_latency_seconds_count[1m])
+    p50 end-to-end latency  histogram_quantile(0.5, sum by (le) (rate(specserve_e2e_request_latency_seconds_bucket[5m])))
+    preemptions/s           rate(specserve_num_preemptions_total[5m])
+
+Counting rules: a request with n choices counts n times (each choice is an
+engine request and computes its prompt). Generation tokens are counted as they
+arrive, prompt tokens when the request ends. Inter-token latency is observed
+once per output token after the first: a delta carrying k tokens after a gap
+of t seconds observes t/k k times, so ``_sum / _count`` is the mean time per
+output token even when speculative decoding emits several tokens per step.
+"""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import prometheus_client
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# The *_created series double the output and carry nothing PromQL needs (vLLM drops them too).
+prometheus_client.disable_created_metrics()
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160, 640)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 60, 120, 240, 480, 960, 1920, 7680)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state at one instant (read by the scrape, not pushed)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1 of the block pool in use
+    num_preemptions: int  # since start
+
+
+@dataclass
+class RequestStats:
+    """Timing and counts of one engine request, as the serving layer sees its deltas."""
+
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+
+
+class _EngineCollector(Collector):
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str):
+        self._snapshot = snapshot
+        self._model = model_name
+
+    def collect(self):
+        snap = self._snapshot()
+        label = (["model_name"], [self._model])
+        for name, doc, value in (
+            ("specserve_num_requests_running", "Requests in the running batch.", snap.num_running),
+            ("specserve_num_requests_waiting", "Requests waiting to be scheduled.", snap.num_waiting),
+            ("specserve_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", snap.kv_cache_usage),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=label[0])
+            g.add_metric(label[1], value)
+            yield g
+        c = CounterMetricFamily("specserve_num_preemptions", "Requests preempted (KV cache full) since start.", labels=label[0])
+        c.add_metric(label[1], snap.num_preemptions)
+        yield c
+
+
+class ServingMetrics:
+    """Counters and histograms of the serving layer, plus the engine collector."""
+
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        reg, labels = self.registry, ["model_name"]
+        self._finished = Counter(
+            "specserve_request_finished", "Engine requests ended, by finish reason.", labels + ["finish_reason"], registry=reg
+        )
+        self._rejected = Counter("specserve_request_rejected", "Requests refused before reaching the engine.", labels + ["reason"], registry=reg)
+        self._prompt = Counter("specserve_prompt_tokens", "Prompt tokens of ended requests.", labels, registry=reg).labels(model_name)
+        self._generation = Counter("specserve_generation_tokens", "Generated tokens.", labels, registry=reg).labels(model_name)
+        self._ttft = Histogram(
+            "specserve_time_to_first_token_seconds", "Arrival to first output token.", labels, buckets=TTFT_BUCKETS, registry=reg
+        ).labels(model_name)
+        self._itl = Histogram(
+            "specserve_inter_token_latency_seconds", "Gap between output tokens.", labels, buckets=ITL_BUCKETS, registry=reg
+        ).labels(model_name)
+        self._e2e = Histogram(
+            "specserve_e2e_request_latency_seconds", "Arrival to the end of the request.", labels, buckets=E2E_BUCKETS, registry=reg
+        ).labels(model_name)
+        reg.register(_EngineCollector(snapshot, model_name))
+
+    def on_tokens(self, stats: RequestStats, num_new: int, now: float | None = None) -> None:
+        """``num_new`` output tokens of the request arrived (call before updating its counts)."""
+        if num_new <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        if stats.first_token_time is None:
+            stats.first_token_time = now
+            self._ttft.observe(now - stats.arrival_time)
+        else:
+            gap = (now - stats.last_token_time) / num_new
+            for _ in range(num_new):
+                self._itl.observe(gap)
+        stats.last_token_time = now
+        stats.num_output_tokens += num_new
+        self._generation.inc(num_new)
+
+    def on_finished(self, stats: RequestStats, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._finished.labels(self.model_name, stats.finish_reason or "abort").inc()
+        self._prompt.inc(stats.num_prompt_tokens)
+        self._e2e.observe(now - stats.arrival_time)
+
+    def on_rejected(self, reason: str) -> None:
+        self._rejected.labels(self.model_name, reason).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,72 @@
+"""Typed, frozen server settings, filled from CLI flags and SPECSERVE_* environment variables.
+
+Precedence: a CLI flag, then the environment (``SPECSERVE_MAX_MODEL_LEN=4096``),
+then the default below. Flags are the field names with dashes
+(``--max-model-len``), named as vLLM names them where vLLM has the setting.
+Each component gets only its slice: the engine an ``EngineConfig``
+(``engine_config()``), uvicorn the host and port, the serving layer the limits.
+"""
+
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.model_store import DEFAULT_MODEL_NAME
+
+
+class ServerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECSERVE_", frozen=True, extra="forbid")
+
+    # -- model (engine) --
+    model: str | None = Field(None, description="local Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    served_model_name: Annotated[list[str] | None, NoDecode] = Field(
+        None, description="model name(s) clients use; the first is reported (default: the --model value)"
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="weight and activation dtype")
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    max_model_len: int | None = Field(None, gt=0, description="context length: prompt plus output (default: the model's)")
+    seed: int = Field(0, description="seed of the engine's default random generator")
+    # -- KV cache and scheduler (engine) --
+    block_size: int = Field(16, gt=0, description="tokens per KV-cache block")
+    kv_cache_memory_bytes: int = Field(1 << 30, gt=0, description="KV-cache budget in bytes")
+    max_num_seqs: int = Field(64, gt=0, description="requests running at once")
+    max_num_batched_tokens: int = Field(512, gt=0, description="tokens computed per engine step")
+    max_waiting: int = Field(1024, gt=0, description="queued requests beyond which new ones get a 503")
+    # -- HTTP --
+    host: str = Field("0.0.0.0", description="address to listen on")
+    port: int = Field(8000, ge=0, lt=65536, description="port to listen on")
+    api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer <key>' on /v1/*")
+    max_request_body_bytes: int = Field(4 << 20, gt=0, description="larger request bodies get a 413")
+    max_n: int = Field(16, gt=0, description="largest n (choices per prompt) a request may ask for")
+    shutdown_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests get to finish after SIGTERM")
+    # -- logging --
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    log_format: Literal["text", "json"] = Field("text", description="text (key=value) or one JSON object per line")
+    disable_log_requests: bool = Field(False, description="do not log one line per request")
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _split_names(cls, v):
+        if isinstance(v, str):
+            return [name.strip() for name in v.split(",") if name.strip()]
+        return v
+
+    @property
+    def model_names(self) -> list[str]:
+        """The names clients may use; the first one is reported in responses."""
+        return list(self.served_model_name or [self.model or DEFAULT_MODEL_NAME])
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=ModelConfig(
+                model=self.model, dtype=self.dtype, device=self.device, max_model_len=self.max_model_len, seed=self.seed
+            ),
+            cache=CacheConfig(block_size=self.block_size, memory_bytes=self.kv_cache_memory_bytes),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_waiting=self.max_waiting,
+            ),
+        )
