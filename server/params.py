@@ -1,0 +1,73 @@
+"""Protocol request -> engine ``SamplingParams``, and the request-level checks.
+
+Value ranges are the engine's (``SamplingParams.__post_init__`` raises
+``InvalidParameter`` naming the field); this module adds what only a request
+has: n and its limit, OpenAI's null-means-default, the fields we refuse.
+"""
+
+import dataclasses
+
+from api.errors import APIError, bad_request
+from api.protocol import SamplingRequest
+from engine.sampling_params import InvalidParameter, SamplingParams
+
+
+def unsupported(param: str, why: str = "") -> APIError:
+    return bad_request(f"'{param}' is not supported by this server{why}", param=param, code="unsupported_parameter")
+
+
+def check_n(n: int | None, max_n: int) -> int:
+    n = 1 if n is None else n
+    if not 1 <= n <= max_n:
+        raise bad_request(f"n must be between 1 and {max_n}, got {n}", param="n")
+    return n
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    try:
+        return {int(k): float(v) for k, v in bias.items()}
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
+
+
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64; torch rejects seeds past 2**64 inside the engine step
+
+
+def build_params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The engine parameters of one choice; raises a 400 ``APIError`` naming the bad field."""
+    if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
+        raise bad_request(f"seed must be a 64-bit signed integer, got {req.seed}", param="seed")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_or(req.temperature, 1.0),
+            top_p=_or(req.top_p, 1.0),
+            top_k=_or(req.top_k, 0),
+            min_p=_or(req.min_p, 0.0),
+            presence_penalty=_or(req.presence_penalty, 0.0),
+            frequency_penalty=_or(req.frequency_penalty, 0.0),
+            repetition_penalty=_or(req.repetition_penalty, 1.0),
+            logit_bias=_logit_bias(req.logit_bias),
+            seed=req.seed,
+            stop=tuple([req.stop] if isinstance(req.stop, str) else req.stop or ()),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=bool(req.ignore_eos),
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            logprobs=logprobs,
+            skip_special_tokens=_or(req.skip_special_tokens, True),
+        )
+    except InvalidParameter as e:
+        raise bad_request(str(e), param=e.param) from None
+
+
+def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n copies; with a seed, choice i gets seed + i so the choices differ but stay reproducible."""
+    if params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
+
+
+def _or(value, default):
+    return default if value is None else value

@@ -1,0 +1,161 @@
+"""POST /v1/chat/completions: messages rendered with the tokenizer's chat template.
+
+One prompt, n choices. A stream sends, per choice, a first chunk with
+``delta: {"role": "assistant", "content": ""}``, then content chunks, then a
+chunk with an empty delta and the finish reason (OpenAI's sequence).
+"""
+
+import time
+import uuid
+
+import jinja2
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from api.errors import bad_request
+from api.protocol import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    Usage,
+)
+from api.sse import sse_chunk
+from engine.outputs import RequestOutput
+from server.logprobs import TokenDecoder, chat_logprobs
+from server.params import build_params, check_n, per_choice, unsupported
+from server.responses import ChoiceResult, client_closed, collect, event_stream
+from server.serving import ServingEngine
+
+
+class ChatServing:
+    def __init__(self, serving: ServingEngine):
+        self.serving = serving
+        self.decode = TokenDecoder(serving.tokenizer)
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        model = self.serving.check_model(req.model)
+        n = check_n(req.n, self.serving.settings.max_n)
+        _refuse_unsupported(req)
+        ids = self._prompt_ids(req.messages)
+        params = build_params(req, self._max_tokens(req, len(ids)), _engine_logprobs(req))
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        gen = await self.serving.submit(cid, [(ids, p) for p in per_choice(params, n)])
+        gen.watch_disconnect(raw.receive)
+        view = _View(cid, model, n, len(ids), self.decode, bool(req.logprobs), req.include_usage)
+        if req.stream:
+            return event_stream(gen, view.render, view.tail)
+        results = await collect(gen)
+        return client_closed() if results is None else JSONResponse(view.response(results).model_dump())
+
+    def _prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
+        if not messages:
+            raise bad_request("messages must not be empty", param="messages")
+        plain = [{"role": _role(m.role), "content": _content(m, i)} for i, m in enumerate(messages)]
+        try:
+            text = self.serving.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+        except jinja2.TemplateError as e:
+            raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from None
+        return self.serving.llm.tokenize(text)
+
+    def _max_tokens(self, req: ChatCompletionRequest, num_prompt_tokens: int) -> int:
+        """The request's limit, or else the rest of the context (OpenAI's default)."""
+        limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if limit is not None:
+            return limit
+        room = self.serving.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise bad_request(
+                f"the messages take {num_prompt_tokens} tokens, the model's context is {self.serving.max_model_len}",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        return room
+
+
+def _role(role: str) -> str:
+    return "system" if role == "developer" else role
+
+
+def _content(message: ChatMessage, index: int) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    texts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise unsupported(f"messages.{index}.content", f" (content part of type '{part.type}'; only text)")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _refuse_unsupported(req: ChatCompletionRequest) -> None:
+    if req.tools or req.functions:
+        raise unsupported("tools" if req.tools else "functions")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise unsupported("tool_choice")
+    if req.response_format and req.response_format.get("type") not in (None, "text"):
+        raise unsupported("response_format", " (only type 'text')")
+
+
+def _engine_logprobs(req: ChatCompletionRequest) -> int | None:
+    if not req.logprobs:
+        if req.top_logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        return None
+    return 0 if req.top_logprobs is None else req.top_logprobs
+
+
+class _View:
+    """Renders one request's engine deltas as OpenAI chat objects."""
+
+    def __init__(self, cid, model, n, num_prompt_tokens, decode, want_logprobs, include_usage):
+        self.cid, self.model, self.num_prompt_tokens = cid, model, num_prompt_tokens
+        self.decode, self.want_logprobs, self.include_usage = decode, want_logprobs, include_usage
+        self.created = int(time.time())
+        self.started = [False] * n
+        self.completion_tokens = [0] * n
+
+    def render(self, index: int, out: RequestOutput):
+        if not self.started[index]:
+            self.started[index] = True
+            yield self._chunk(index, DeltaMessage(role="assistant", content=""))
+        self.completion_tokens[index] = out.num_output_tokens
+        if out.new_text or (self.want_logprobs and out.logprobs):
+            lp = ChatChoiceLogprobs(content=chat_logprobs(out.logprobs or [], self.decode)) if self.want_logprobs else None
+            yield self._chunk(index, DeltaMessage(content=out.new_text), lp)
+        if out.finished:
+            yield self._chunk(index, DeltaMessage(), finish_reason=out.finish_reason)
+
+    def tail(self):
+        if self.include_usage:
+            chunk = ChatCompletionChunk(
+                id=self.cid, created=self.created, model=self.model, choices=[], usage=self._usage(sum(self.completion_tokens))
+            )
+            yield sse_chunk(chunk, include_usage=True)
+
+    def _chunk(self, index, delta, logprobs=None, finish_reason=None) -> str:
+        choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+        chunk = ChatCompletionChunk(id=self.cid, created=self.created, model=self.model, choices=[choice])
+        return sse_chunk(chunk, include_usage=self.include_usage)
+
+    def response(self, results: list[ChoiceResult]) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(
+                index=i,
+                message=ChatResponseMessage(content=r.text),
+                logprobs=ChatChoiceLogprobs(content=chat_logprobs(r.logprobs, self.decode)) if self.want_logprobs else None,
+                finish_reason=r.finish_reason,
+            )
+            for i, r in enumerate(results)
+        ]
+        usage = self._usage(sum(r.num_output_tokens for r in results))
+        return ChatCompletionResponse(id=self.cid, created=self.created, model=self.model, choices=choices, usage=usage)
+
+    def _usage(self, completion_tokens: int) -> Usage:
+        p = self.num_prompt_tokens
+        return Usage(prompt_tokens=p, completion_tokens=completion_tokens, total_tokens=p + completion_tokens)
