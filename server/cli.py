@@ -1,8 +1,18 @@
-"""The ``specserve`` command line."""
+"""The ``specserve`` command line: ``serve``, ``generate``, ``fetch-model``.
+
+``serve`` has one flag per ``ServerSettings`` field (``--max-model-len`` for
+``max_model_len``); a flag given on the command line wins over the
+``SPECSERVE_*`` environment variable, which wins over the default.
+"""
 
 import argparse
 import logging
 import sys
+import typing
+
+from pydantic import ValidationError
+
+from server.settings import ServerSettings
 
 
 def _fetch_model(args) -> int:
@@ -15,11 +25,42 @@ def _fetch_model(args) -> int:
 def _generate(args) -> int:
     from engine import LLM, SamplingParams
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = LLM(args.model, max_model_len=args.max_model_len)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     out = llm.chat([{"role": "user", "content": args.prompt}], params)
     print(out.text)
     return 0
+
+
+def _serve(args) -> int:
+    from server.run import run_server
+
+    flags = {k: v for k, v in vars(args).items() if k in ServerSettings.model_fields}
+    try:
+        settings = ServerSettings(**flags)
+    except ValidationError as e:
+        print(f"specserve serve: invalid settings:\n{e}", file=sys.stderr)
+        return 2
+    return run_server(settings)
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per settings field; unset flags stay out of the namespace (env / default apply)."""
+    for name, field in ServerSettings.model_fields.items():
+        kwargs: dict = {"dest": name, "default": argparse.SUPPRESS}
+        ann = field.annotation
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        if ann is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(ann) is typing.Literal:
+            kwargs["choices"] = list(typing.get_args(ann))
+        elif any(typing.get_origin(a) is list for a in args):
+            kwargs["nargs"] = "+"
+        default = field.default if name != "api_key" else None
+        shown = f" [default: {default}]" if default is not None else ""
+        kwargs["help"] = f"{field.description}{shown} (env SPECSERVE_{name.upper()})"
+        parser.add_argument("--" + name.replace("_", "-"), **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,11 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=_generate)
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_settings_flags(serve)
+    serve.set_defaults(func=_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,66 @@
+"""The FastAPI app factory: routes, error bodies, middleware, and the engine's lifetime.
+
+``create_app(settings)`` builds an app whose lifespan loads the model, starts
+the engine thread and, on the way out, aborts what is left and stops the
+engine. Tests pass a ready ``LLMEngine`` (``llm_engine=``) to share one loaded
+model between apps; its own config then wins over the settings' engine fields.
+"""
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+
+from api.errors import install_error_handlers
+from api.routes import router
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine
+from server.middleware import BearerAuth, BodyLimit, RequestContext
+from server.serving import ServingEngine
+from server.serving_chat import ChatServing
+from server.serving_completion import CompletionServing
+from server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AppState:
+    """What the routes reach through ``app.state.specserve``."""
+
+    settings: ServerSettings
+    serving: ServingEngine
+    completions: CompletionServing
+    chat: ChatServing
+
+
+def create_app(settings: ServerSettings | None = None, llm_engine: LLMEngine | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        llm = llm_engine or await asyncio.to_thread(LLMEngine, settings.engine_config())
+        engine = AsyncEngine(llm)
+        serving = ServingEngine(engine, settings)
+        app.state.specserve = AppState(settings, serving, CompletionServing(serving), ChatServing(serving))
+        log.info(
+            "serving",
+            extra={"fields": {"model": serving.model_names[0], "path": llm.model_path, "max_model_len": llm.max_model_len}},
+        )
+        try:
+            yield
+        finally:
+            aborted = serving.abort_all("shutdown")
+            await asyncio.to_thread(engine.shutdown)
+            log.info("engine stopped", extra={"fields": {"aborted": aborted}})
+
+    app = FastAPI(title="specserve", lifespan=lifespan)
+    install_error_handlers(app)
+    app.include_router(router)
+    # add_middleware puts each new one outside the previous ones.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_body_bytes)
+    app.add_middleware(BearerAuth, api_key=settings.api_key.get_secret_value() if settings.api_key else None)
+    app.add_middleware(RequestContext, log_requests=not settings.disable_log_requests)
+    return app
