@@ -1,0 +1,72 @@
+"""GET /metrics: Prometheus text with the serving metrics, counted as documented."""
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import MODEL, LiveServer, settings
+
+
+@pytest.fixture(scope="module")
+def server(llm_engine):
+    with LiveServer(settings(), llm_engine) as s:
+        yield s
+
+
+def scrape(server) -> dict[str, dict]:
+    """name -> {labels tuple: value} for every sample."""
+    with server.http() as http:
+        r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples: dict[str, dict] = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return samples
+
+
+def value(samples, name, **labels) -> float:
+    return samples.get(name, {}).get(tuple(sorted({"model_name": MODEL, **labels}.items())), 0.0)
+
+
+def test_names_and_families(server):
+    samples = scrape(server)
+    for name in (
+        "specserve_num_requests_running",
+        "specserve_num_requests_waiting",
+        "specserve_kv_cache_usage_perc",
+        "specserve_num_preemptions_total",
+        "specserve_time_to_first_token_seconds_count",
+        "specserve_inter_token_latency_seconds_count",
+        "specserve_e2e_request_latency_seconds_count",
+    ):
+        assert name in samples, name
+    assert all(n.startswith("specserve_") and ":" not in n for n in samples)
+    assert value(samples, "specserve_kv_cache_usage_perc") == 0.0
+
+
+def test_counts_follow_requests(server):
+    before = scrape(server)
+    client = server.client()
+    r = client.completions.create(model=MODEL, prompt="Hello there", n=2, max_tokens=4, temperature=0)
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0, stop=["zzz"])
+    after = scrape(server)
+
+    def delta(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("specserve_request_finished_total", finish_reason="length") == 3
+    assert delta("specserve_generation_tokens_total") == r.usage.completion_tokens + c.usage.completion_tokens == 11
+    # each choice computes its prompt: n=2 counts the completion prompt twice
+    assert delta("specserve_prompt_tokens_total") == 2 * r.usage.prompt_tokens + c.usage.prompt_tokens
+    assert delta("specserve_time_to_first_token_seconds_count") == 3
+    assert delta("specserve_e2e_request_latency_seconds_count") == 3
+    assert delta("specserve_inter_token_latency_seconds_count") == 11 - 3  # every token after each first
+    assert delta("specserve_time_to_first_token_seconds_sum") > 0
+
+
+def test_queue_full_is_counted_as_rejected(server, monkeypatch):
+    monkeypatch.setattr(server.serving, "pending", server.settings.max_waiting)
+    with server.http() as http:
+        assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 503
+    monkeypatch.undo()
+    assert value(scrape(server), "specserve_request_rejected_total", reason="queue_full") == 1

@@ -1,0 +1,102 @@
+"""Graceful shutdown (SIGTERM's path): stop accepting, let in-flight requests finish
+within the timeout, then abort them cleanly. One server per test, so this module
+keeps no module-scoped server on the shared engine.
+"""
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import LiveServer, settings, wait_idle
+
+LONG = {"prompt": "Count to one thousand:", "max_tokens": 900, "ignore_eos": True, "stream": True}
+
+
+def stream_in_thread(server: LiveServer, body: dict) -> tuple[threading.Thread, list, threading.Event]:
+    """Streams ``body``; the returned event is set after the first chunk, the list gets all events."""
+    events, started = [], threading.Event()
+
+    def run():
+        with server.http() as http, http.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line:
+                    events.append(line[len("data: ") :])
+                    started.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, events, started
+
+
+@pytest.mark.parametrize("timeout,finishes", [(30.0, True), (1.5, False)], ids=["finishes", "aborted"])
+def test_graceful_shutdown(llm_engine, timeout, finishes):
+    """What SIGTERM triggers (uvicorn's should_exit): new connections are refused at once;
+    in-flight requests finish within the timeout, or end with an error event and [DONE]
+    once it passes; either way every block is freed."""
+    body = {**LONG, "max_tokens": 12 if finishes else 900}
+    with LiveServer(settings(shutdown_timeout=timeout), llm_engine) as live:
+        thread, events, started = stream_in_thread(live, body)
+        assert started.wait(30)
+        live.server.should_exit = True
+        time.sleep(0.5)  # uvicorn polls should_exit every 0.1 s
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{live.url}/health", timeout=2)
+        live.stop()  # returns once uvicorn has shut down
+        thread.join(10)
+        assert not thread.is_alive()
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    if finishes:
+        assert last["choices"][0]["finish_reason"] == "length"
+        assert sum(len(json.loads(e)["choices"]) for e in events[:-1]) == 12
+    else:
+        assert last["error"]["code"] == "shutting_down" and last["error"]["type"] == "server_error"
+    wait_idle(llm_engine, timeout=5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_drains_a_real_server(tmp_path):
+    """``specserve serve`` in a subprocess: SIGTERM mid-stream, the stream still ends
+    normally, the process exits."""
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20), "--shutdown-timeout", "20"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        body = {**LONG, "max_tokens": 16}
+        with httpx.Client(base_url=url, timeout=60) as http, http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
+        assert proc.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+    text = (tmp_path / "serve.log").read_text()
+    assert "draining" in text and "Finished server process" in text
