@@ -1,8 +1,11 @@
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``, computed in float32 (one fused op)."""
+
     def __init__(self, hidden: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -12,7 +15,7 @@ class RMSNorm(nn.Module):
         self.weight.data.copy_(full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        y = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return self.weight * y.to(x.dtype)

@@ -49,14 +49,13 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope, hidden, meta: AttentionMetadata, kv_cache):
         """hidden [T, hidden] -> [T, hidden]."""
-        qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2 * KVH) * D]
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
+        qk = apply_rotary(qk, *rope)  # queries and keys rotated in one go
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = paged_attention(q, k, v, kv_cache.layer(self.layer_idx), meta)  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
