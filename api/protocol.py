@@ -12,11 +12,15 @@ except in a chat stream ``delta``, whose unset fields are left out.
 """
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 # ---- requests ----
+
+# Integers the engine turns into int64 tensors or torch seeds: larger ones would
+# fail inside an engine step (taking the whole batch down), so they stop here.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(BaseModel):
@@ -25,17 +29,18 @@ class StreamOptions(BaseModel):
 
 
 class SamplingRequest(BaseModel):
-    """Fields common to completions and chat completions."""
+    """Fields common to completions and chat completions. Floats must be finite
+    (JSON's NaN / Infinity extensions are refused)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int | None = None
+    n: Int64 | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
@@ -43,11 +48,11 @@ class SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # Extensions that vLLM accepts too (the openai client sends them through extra_body).
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
 
@@ -59,8 +64,8 @@ class SamplingRequest(BaseModel):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: Int64 | None = None
+    best_of: Int64 | None = None
     suffix: str | None = None  # refused: unsupported
 
 
@@ -79,9 +84,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     # Refused when set to anything but "off": unsupported.
     tools: list[Any] | None = None
     tool_choice: Any = None

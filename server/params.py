@@ -32,13 +32,8 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         raise bad_request("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
 
 
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64; torch rejects seeds past 2**64 inside the engine step
-
-
 def build_params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
     """The engine parameters of one choice; raises a 400 ``APIError`` naming the bad field."""
-    if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
-        raise bad_request(f"seed must be a 64-bit signed integer, got {req.seed}", param="seed")
     try:
         return SamplingParams(
             max_tokens=max_tokens,
