@@ -16,7 +16,9 @@ import sys
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
 
-class _RequestIdFilter(logging.Filter):
+class RequestIdFilter(logging.Filter):
+    """Copies the current request id onto each record (as ``record.request_id``)."""
+
     def filter(self, record: logging.LogRecord) -> bool:
         record.request_id = request_id_var.get()
         return True
@@ -61,7 +63,7 @@ def configure_logging(level: str = "info", fmt: str = "text") -> None:
     """One stderr handler on the root logger; uvicorn's loggers propagate to it."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
-    handler.addFilter(_RequestIdFilter())
+    handler.addFilter(RequestIdFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

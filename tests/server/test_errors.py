@@ -59,6 +59,8 @@ COMPLETION_400 = [
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"seed": 2**70}, "seed"),
+    ({"top_k": 10**30}, "top_k"),  # would overflow an int64 tensor inside the engine step
+    ({"stop_token_ids": [2**64]}, "stop_token_ids"),
     ({"suffix": "!"}, "suffix"),  # unsupported
     ({"best_of": 2}, "best_of"),
     ({"echo": True, "logprobs": 1}, "logprobs"),
@@ -98,6 +100,15 @@ def test_malformed_json_is_400(http):
     assert_error(r, 400, code="invalid_json")
     assert_error(http.post("/v1/chat/completions", content=b"[1, 2]", headers={"content-type": "application/json"}), 400)
     assert_error(http.post("/v1/completions", json={"max_tokens": 1}), 400, param="prompt", code="missing_required_parameter")
+
+
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "top_p", "min_p"])
+@pytest.mark.parametrize("value", ["Infinity", "-Infinity", "NaN"])
+def test_non_finite_floats_are_400(http, field, value):
+    """Python's JSON parser accepts these extensions; the engine must never see them."""
+    body = f'{{"prompt": "Hi", "max_tokens": 1, "{field}": {value}}}'.encode()
+    r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert_error(r, 400, param=field)
 
 
 def test_unknown_model_is_404(http):

@@ -100,3 +100,12 @@ def test_sigterm_drains_a_real_server(tmp_path):
         log.close()
     text = (tmp_path / "serve.log").read_text()
     assert "draining" in text and "Finished server process" in text
+
+
+def test_dead_engine_is_503(llm_engine):
+    with LiveServer(settings(), llm_engine) as live, live.http() as http:
+        live.serving.engine.shutdown()  # the engine thread stops, as if it had died
+        r = http.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
