@@ -32,7 +32,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
     serving = _state(request).serving
-    cards = [ModelCard(id=name, root=serving.llm.model_path, max_model_len=serving.max_model_len) for name in serving.model_names]
+    cards = [
+        ModelCard(id=name, root=serving.llm.model_path, max_model_len=serving.max_model_len)
+        for name in serving.model_names
+    ]
     return JSONResponse(ModelList(data=cards).model_dump())
 
 

@@ -47,7 +47,9 @@ def create_app(settings: ServerSettings | None = None, llm_engine: LLMEngine | N
         app.state.specserve = AppState(settings, serving, CompletionServing(serving), ChatServing(serving))
         log.info(
             "serving",
-            extra={"fields": {"model": serving.model_names[0], "path": llm.model_path, "max_model_len": llm.max_model_len}},
+            extra={
+                "fields": {"model": serving.model_names[0], "path": llm.model_path, "max_model_len": llm.max_model_len}
+            },
         )
         try:
             yield

@@ -11,13 +11,18 @@ Metrics live in a per-app ``CollectorRegistry`` (tests build several apps), all
 named ``specserve_*`` and labelled with ``model_name``. Only counters,
 histograms and instantaneous gauges are exported; rates are PromQL's job::
 
-    requests/s by reason    sum by (finish_reason) (rate(specserve_request_finished_total[1m]))
-    generation tokens/s     rate(specserve_generation_tokens_total[1m])
-    p99 time to first token histogram_quantile(0.99, sum by (le) (rate(specserve_time_to_first_token_seconds_bucket[5m])))
-    mean inter-token gap    rate(specserve_inter_token_latency_seconds_sum[1m])
-                            / rate(specserve_inter_token_latency_seconds_count[1m])
-    p50 end-to-end latency  histogram_quantile(0.5, sum by (le) (rate(specserve_e2e_request_latency_seconds_bucket[5m])))
-    preemptions/s           rate(specserve_num_preemptions_total[5m])
+    requests/s by reason
+        sum by (finish_reason) (rate(specserve_request_finished_total[1m]))
+    generation tokens/s
+        rate(specserve_generation_tokens_total[1m])
+    p99 time to first token
+        histogram_quantile(0.99, sum by (le) (rate(specserve_time_to_first_token_seconds_bucket[5m])))
+    mean inter-token gap
+        rate(specserve_inter_token_latency_seconds_sum[1m]) / rate(specserve_inter_token_latency_seconds_count[1m])
+    p50 end-to-end latency
+        histogram_quantile(0.5, sum by (le) (rate(specserve_e2e_request_latency_seconds_bucket[5m])))
+    preemptions/s
+        rate(specserve_num_preemptions_total[5m])
 
 Counting rules: a request with n choices counts n times (each choice is an
 engine request and computes its prompt). Generation tokens are counted as they
@@ -82,7 +87,9 @@ class _EngineCollector(Collector):
             g = GaugeMetricFamily(name, doc, labels=label[0])
             g.add_metric(label[1], value)
             yield g
-        c = CounterMetricFamily("specserve_num_preemptions", "Requests preempted (KV cache full) since start.", labels=label[0])
+        c = CounterMetricFamily(
+            "specserve_num_preemptions", "Requests preempted (KV cache full) since start.", labels=label[0]
+        )
         c.add_metric(label[1], snap.num_preemptions)
         yield c
 
@@ -95,19 +102,43 @@ class ServingMetrics:
         self.model_name = model_name
         reg, labels = self.registry, ["model_name"]
         self._finished = Counter(
-            "specserve_request_finished", "Engine requests ended, by finish reason.", labels + ["finish_reason"], registry=reg
+            "specserve_request_finished",
+            "Engine requests ended, by finish reason.",
+            labels + ["finish_reason"],
+            registry=reg,
         )
-        self._rejected = Counter("specserve_request_rejected", "Requests refused before reaching the engine.", labels + ["reason"], registry=reg)
-        self._prompt = Counter("specserve_prompt_tokens", "Prompt tokens of ended requests.", labels, registry=reg).labels(model_name)
-        self._generation = Counter("specserve_generation_tokens", "Generated tokens.", labels, registry=reg).labels(model_name)
+        self._rejected = Counter(
+            "specserve_request_rejected",
+            "Requests refused before reaching the engine.",
+            labels + ["reason"],
+            registry=reg,
+        )
+        self._prompt = Counter(
+            "specserve_prompt_tokens", "Prompt tokens of ended requests.", labels, registry=reg
+        ).labels(model_name)
+        self._generation = Counter("specserve_generation_tokens", "Generated tokens.", labels, registry=reg).labels(
+            model_name
+        )
         self._ttft = Histogram(
-            "specserve_time_to_first_token_seconds", "Arrival to first output token.", labels, buckets=TTFT_BUCKETS, registry=reg
+            "specserve_time_to_first_token_seconds",
+            "Arrival to first output token.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=reg,
         ).labels(model_name)
         self._itl = Histogram(
-            "specserve_inter_token_latency_seconds", "Gap between output tokens.", labels, buckets=ITL_BUCKETS, registry=reg
+            "specserve_inter_token_latency_seconds",
+            "Gap between output tokens.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=reg,
         ).labels(model_name)
         self._e2e = Histogram(
-            "specserve_e2e_request_latency_seconds", "Arrival to the end of the request.", labels, buckets=E2E_BUCKETS, registry=reg
+            "specserve_e2e_request_latency_seconds",
+            "Arrival to the end of the request.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=reg,
         ).labels(model_name)
         reg.register(_EngineCollector(snapshot, model_name))
 

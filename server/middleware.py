@@ -55,7 +55,12 @@ class RequestContext:
             await self.app(scope, receive, send_with_id)
         finally:
             if self.log_requests:
-                fields = {"method": scope["method"], "path": scope["path"], "status": status, "duration_s": time.monotonic() - start}
+                fields = {
+                    "method": scope["method"],
+                    "path": scope["path"],
+                    "status": status,
+                    "duration_s": time.monotonic() - start,
+                }
                 log.info("http request", extra={"fields": fields})
             request_id_var.reset(token)
 
@@ -74,7 +79,9 @@ class BearerAuth:
         scheme, _, token = auth.partition(b" ")
         ok = hmac.compare_digest(token.strip(), self.key) and scheme.lower() == b"bearer"
         if not ok:
-            error = APIError(401, "missing or incorrect API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            error = APIError(
+                401, "missing or incorrect API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+            )
             return await error.response()(scope, receive, send)
         await self.app(scope, receive, send)
 

@@ -217,7 +217,9 @@ class ServingEngine:
     def _admit(self, num_new: int) -> None:
         limit = self.settings.max_waiting
         if num_new > limit:
-            raise bad_request(f"this request asks for {num_new} completions; the server takes at most {limit} at once", "n")
+            raise bad_request(
+                f"this request asks for {num_new} completions; the server takes at most {limit} at once", "n"
+            )
         if self.draining:
             self.metrics.on_rejected("shutting_down")
             raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
@@ -227,7 +229,10 @@ class ServingEngine:
         if self.pending + num_new > limit:
             self.metrics.on_rejected("queue_full")
             raise APIError(
-                503, f"the server is busy: {self.pending} requests are waiting", code="queue_full", headers={"Retry-After": "1"}
+                503,
+                f"the server is busy: {self.pending} requests are waiting",
+                code="queue_full",
+                headers={"Retry-After": "1"},
             )
 
     def _on_delta(self, choice: _Choice, out: RequestOutput) -> None:

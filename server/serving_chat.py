@@ -126,7 +126,11 @@ class _View:
             yield self._chunk(index, DeltaMessage(role="assistant", content=""))
         self.completion_tokens[index] = out.num_output_tokens
         if out.new_text or (self.want_logprobs and out.logprobs):
-            lp = ChatChoiceLogprobs(content=chat_logprobs(out.logprobs or [], self.decode)) if self.want_logprobs else None
+            lp = (
+                ChatChoiceLogprobs(content=chat_logprobs(out.logprobs or [], self.decode))
+                if self.want_logprobs
+                else None
+            )
             yield self._chunk(index, DeltaMessage(content=out.new_text), lp)
         if out.finished:
             yield self._chunk(index, DeltaMessage(), finish_reason=out.finish_reason)
@@ -134,7 +138,11 @@ class _View:
     def tail(self):
         if self.include_usage:
             chunk = ChatCompletionChunk(
-                id=self.cid, created=self.created, model=self.model, choices=[], usage=self._usage(sum(self.completion_tokens))
+                id=self.cid,
+                created=self.created,
+                model=self.model,
+                choices=[],
+                usage=self._usage(sum(self.completion_tokens)),
             )
             yield sse_chunk(chunk, include_usage=True)
 
@@ -148,7 +156,9 @@ class _View:
             ChatChoice(
                 index=i,
                 message=ChatResponseMessage(content=r.text),
-                logprobs=ChatChoiceLogprobs(content=chat_logprobs(r.logprobs, self.decode)) if self.want_logprobs else None,
+                logprobs=ChatChoiceLogprobs(content=chat_logprobs(r.logprobs, self.decode))
+                if self.want_logprobs
+                else None,
                 finish_reason=r.finish_reason,
             )
             for i, r in enumerate(results)

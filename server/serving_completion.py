@@ -108,12 +108,18 @@ class _View:
         choices = []
         for i, r in enumerate(results):
             lp = completion_logprobs(r.logprobs, self.decode, 0)[0] if self.want_logprobs else None
-            choices.append(CompletionChoice(index=i, text=self._echo(i) + r.text, logprobs=lp, finish_reason=r.finish_reason))
+            choices.append(
+                CompletionChoice(index=i, text=self._echo(i) + r.text, logprobs=lp, finish_reason=r.finish_reason)
+            )
         return self._response(choices, self._usage(sum(r.num_output_tokens for r in results)))
 
     def _usage(self, completion_tokens: int) -> Usage:
         prompt_tokens = sum(len(p) for p in self.prompts)
-        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+        return Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
 
     def _response(self, choices, usage=None) -> CompletionResponse:
         return CompletionResponse(id=self.cid, created=self.created, model=self.model, choices=choices, usage=usage)

@@ -20,13 +20,17 @@ class ServerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECSERVE_", frozen=True, extra="forbid")
 
     # -- model (engine) --
-    model: str | None = Field(None, description="local Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    model: str | None = Field(
+        None, description="local Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
     served_model_name: Annotated[list[str] | None, NoDecode] = Field(
         None, description="model name(s) clients use; the first is reported (default: the --model value)"
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="weight and activation dtype")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
-    max_model_len: int | None = Field(None, gt=0, description="context length: prompt plus output (default: the model's)")
+    max_model_len: int | None = Field(
+        None, gt=0, description="context length: prompt plus output (default: the model's)"
+    )
     seed: int = Field(0, description="seed of the engine's default random generator")
     # -- KV cache and scheduler (engine) --
     block_size: int = Field(16, gt=0, description="tokens per KV-cache block")

@@ -13,7 +13,6 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine

@@ -16,7 +16,13 @@ def server(llm_engine):
 
 @pytest.mark.parametrize(
     "headers",
-    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"}, {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}],
+    [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Basic {KEY}"},
+        {"Authorization": KEY},
+        {"Authorization": f"Bearer {KEY}x"},
+    ],
     ids=["missing", "wrong", "not-bearer", "no-scheme", "longer"],
 )
 def test_missing_or_wrong_key_is_401(server, headers):
@@ -25,7 +31,12 @@ def test_missing_or_wrong_key_is_401(server, headers):
             r = http.request("GET" if path == "/v1/models" else "POST", path, headers=headers, json={"prompt": "x"})
             assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
             assert r.json() == {
-                "error": {"message": "missing or incorrect API key", "type": "authentication_error", "param": None, "code": "invalid_api_key"}
+                "error": {
+                    "message": "missing or incorrect API key",
+                    "type": "authentication_error",
+                    "param": None,
+                    "code": "invalid_api_key",
+                }
             }
 
 

@@ -31,7 +31,13 @@ def test_chat_has_openai_shape(client, llm_engine):
 
 
 def test_chat_stream_sequence_and_usage(server):
-    body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with server.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
         events = sse_events(r)
     assert events[-1] == "[DONE]"
@@ -80,5 +86,7 @@ def test_max_completion_tokens_content_parts_and_roles(client):
 
 
 def test_chat_without_max_tokens_stops_by_itself(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say yes."}], temperature=0, stop=["\n", "."])
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say yes."}], temperature=0, stop=["\n", "."]
+    )
     assert r.choices[0].finish_reason == "stop"

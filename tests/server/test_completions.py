@@ -90,7 +90,10 @@ def test_echo_prepends_the_prompt(client):
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True)
     assert r.choices[0].text.startswith(PROMPT) and len(r.choices[0].text) > len(PROMPT)
     streamed = "".join(
-        c.text for ch in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, stream=True)
+        c.text
+        for ch in client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, stream=True
+        )
         for c in ch.choices
     )
     assert streamed == r.choices[0].text
@@ -102,11 +105,16 @@ def test_logprobs(client):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
     assert "".join(lp.tokens) == r.choices[0].text
     assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
-    for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert value <= 0 and len(top) >= 2 and tok in top
         assert max(top.values()) == pytest.approx(value, abs=1e-4)  # greedy: the sampled token is the best
-    streamed = [c.choices[0].logprobs for c in client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2, stream=True) if c.choices]
+    streamed = [
+        c.choices[0].logprobs
+        for c in client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2, stream=True
+        )
+        if c.choices
+    ]
     assert sum((s.tokens for s in streamed), []) == lp.tokens
     assert sum((s.text_offset for s in streamed), []) == lp.text_offset
 
@@ -118,10 +126,20 @@ def test_stop_string_ends_the_choice(client):
 
 def test_sampling_fields_are_accepted(client):
     r = client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0.7, top_p=0.9, presence_penalty=0.5,
-        frequency_penalty=0.5, logit_bias={"7042": -100}, user="someone", seed=3,
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=3,
+        temperature=0.7,
+        top_p=0.9,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        logit_bias={"7042": -100},
+        user="someone",
+        seed=3,
         extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1},
     )
     assert r.choices[0].finish_reason == "length"
-    greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logit_bias={"7042": -100})
+    greedy = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logit_bias={"7042": -100}
+    )
     assert not greedy.choices[0].text.startswith(" Paris")  # 7042 is " Paris"

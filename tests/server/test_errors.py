@@ -79,7 +79,10 @@ CHAT_400 = [
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages.0.content"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages.0.content",
+    ),
     ({"messages": [{"role": "user", "content": "word " * (MAX_MODEL_LEN + 50)}], "max_tokens": None}, "messages"),
     ({"logprobs": True, "top_logprobs": 21}, "logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
@@ -98,8 +101,12 @@ def test_chat_invalid_values_are_400(http, fields, param):
 def test_malformed_json_is_400(http):
     r = http.post("/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"})
     assert_error(r, 400, code="invalid_json")
-    assert_error(http.post("/v1/chat/completions", content=b"[1, 2]", headers={"content-type": "application/json"}), 400)
-    assert_error(http.post("/v1/completions", json={"max_tokens": 1}), 400, param="prompt", code="missing_required_parameter")
+    assert_error(
+        http.post("/v1/chat/completions", content=b"[1, 2]", headers={"content-type": "application/json"}), 400
+    )
+    assert_error(
+        http.post("/v1/completions", json={"max_tokens": 1}), 400, param="prompt", code="missing_required_parameter"
+    )
 
 
 @pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "top_p", "min_p"])
@@ -112,8 +119,12 @@ def test_non_finite_floats_are_400(http, field, value):
 
 
 def test_unknown_model_is_404(http):
-    assert_error(http.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, param="model", code="model_not_found")
-    assert_error(http.post("/v1/chat/completions", json={"model": "gpt-9", "messages": MSG}), 404, code="model_not_found")
+    assert_error(
+        http.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, param="model", code="model_not_found"
+    )
+    assert_error(
+        http.post("/v1/chat/completions", json={"model": "gpt-9", "messages": MSG}), 404, code="model_not_found"
+    )
 
 
 def test_unknown_route_and_method(http):

@@ -6,10 +6,9 @@ An engine that runs one request at a time makes "waiting" deterministic.
 import json
 import time
 
-import httpx
 import pytest
 
-from tests.server.conftest import LiveServer, MAX_MODEL_LEN, build_engine, settings, sse_events, wait_idle
+from tests.server.conftest import MAX_MODEL_LEN, LiveServer, build_engine, settings, wait_idle
 
 LONG = {"prompt": "Count to one thousand:", "max_tokens": 900, "ignore_eos": True, "stream": True}
 
@@ -74,4 +73,6 @@ def test_health_models_version(server):
         models = http.get("/v1/models").json()
     assert models["object"] == "list"
     [card] = models["data"]
-    assert card["id"] == "SmolLM2-135M-Instruct" and card["object"] == "model" and card["max_model_len"] == MAX_MODEL_LEN
+    assert (
+        card["id"] == "SmolLM2-135M-Instruct" and card["object"] == "model" and card["max_model_len"] == MAX_MODEL_LEN
+    )

@@ -37,8 +37,11 @@ def json_log():
 
 def test_request_id_header_and_log_lines(server, json_log):
     with server.http() as http:
-        r = http.post("/v1/completions", json={"model": MODEL, "prompt": SECRET_PROMPT, "max_tokens": 3},
-                      headers={"X-Request-Id": "req-42"})
+        r = http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": SECRET_PROMPT, "max_tokens": 3},
+            headers={"X-Request-Id": "req-42"},
+        )
         assert r.status_code == 200 and r.headers["x-request-id"] == "req-42"
         generated = http.get("/health").headers["x-request-id"]
         assert len(generated) == 32 and generated != "req-42"

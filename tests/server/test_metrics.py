@@ -48,7 +48,9 @@ def test_counts_follow_requests(server):
     before = scrape(server)
     client = server.client()
     r = client.completions.create(model=MODEL, prompt="Hello there", n=2, max_tokens=4, temperature=0)
-    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0, stop=["zzz"])
+    c = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0, stop=["zzz"]
+    )
     after = scrape(server)
 
     def delta(name, **labels):

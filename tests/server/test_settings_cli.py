@@ -37,8 +37,24 @@ def test_flags_override_environment(monkeypatch):
 
 
 def test_vllm_flag_names():
-    s = settings_from(["--model", "/m", "--served-model-name", "x", "y", "--host", "127.0.0.1", "--port", "1",
-                       "--api-key", "k", "--max-num-batched-tokens", "64", "--disable-log-requests"])
+    s = settings_from(
+        [
+            "--model",
+            "/m",
+            "--served-model-name",
+            "x",
+            "y",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "1",
+            "--api-key",
+            "k",
+            "--max-num-batched-tokens",
+            "64",
+            "--disable-log-requests",
+        ]
+    )
     assert s.model == "/m" and s.model_names == ["x", "y"] and s.disable_log_requests
     assert s.engine_config().scheduler.max_num_batched_tokens == 64
 

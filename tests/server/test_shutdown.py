@@ -72,8 +72,22 @@ def test_sigterm_drains_a_real_server(tmp_path):
     normally, the process exits."""
     port = free_port()
     log = open(tmp_path / "serve.log", "w")
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20), "--shutdown-timeout", "20"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "server.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory-bytes",
+        str(64 << 20),
+        "--shutdown-timeout",
+        "20",
+    ]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
