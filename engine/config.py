@@ -12,6 +12,7 @@ class ModelConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
+    num_threads: int | None = None  # CPU threads for torch; None: every core
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -6,6 +6,7 @@ Not thread-safe: one thread calls ``add_request``, ``abort_request`` and
 """
 
 import logging
+import os
 import time
 
 import torch
@@ -36,6 +37,8 @@ class LLMEngine:
         by default they are built from ``config``."""
         self.config = config
         device, dtype = config.model.torch_device(), config.model.torch_dtype()
+        if device.type == "cpu":
+            torch.set_num_threads(config.model.num_threads or os.cpu_count() or 1)
         if model is None:
             path = resolve_model(config.model.model)
             hf_config = load_config(path)
@@ -202,10 +205,3 @@ def _eos_ids(hf_config, tokenizer) -> frozenset[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
-
-
-def default_device_threads() -> None:
-    """Use every core for intra-op parallelism on the CPU."""
-    import os
-
-    torch.set_num_threads(os.cpu_count() or 1)
