@@ -1,0 +1,125 @@
+"""Prometheus: the compose stack's config, and the dashboard's PromQL run by
+Prometheus' own parser and evaluator (promtool) on synthetic series."""
+
+import json
+import re
+import subprocess
+
+import pytest
+import yaml
+
+from deploy import dashboard as gen
+from deploy.promql_names import dashboard_exprs
+from tests.deploy.conftest import DEPLOY
+
+# Grafana's variables, as Grafana would fill them in.
+GRAFANA_VARS = {"$__rate_interval": "5m", "$__range": "10m", "$model_name": ".*", "$method": ".*"}
+
+
+def as_promql(expr: str) -> str:
+    for var, value in GRAFANA_VARS.items():
+        expr = expr.replace(var, value)
+    assert "$" not in expr, f"unknown Grafana variable in {expr}"
+    return expr
+
+
+def run(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=60)
+
+
+def test_config_passes_promtool(promtool):
+    r = run([promtool, "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")])
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_scrapes_the_compose_service(prometheus_config, compose):
+    (job,) = [j for j in prometheus_config["scrape_configs"] if j["job_name"] == "specserve"]
+    assert job.get("metrics_path", "/metrics") == "/metrics"
+    (target,) = [t for sc in job["static_configs"] for t in sc["targets"]]
+    host, port = target.split(":")
+    assert host in compose["services"]
+    assert f"{port}:{port}" in compose["services"][host]["ports"]
+
+
+def test_grafana_rate_interval_matches_the_scrape_interval(prometheus_config, grafana_datasource, compose):
+    assert grafana_datasource["jsonData"]["timeInterval"] == prometheus_config["global"]["scrape_interval"]
+    host, port = re.fullmatch(r"http://([\w-]+):(\d+)", grafana_datasource["url"]).groups()
+    assert host in compose["services"] and f"{port}:{port}" in compose["services"][host]["ports"]
+
+
+def test_every_dashboard_query_parses(promtool, dashboard, tmp_path):
+    """As recording rules, every expression goes through `promtool check rules`."""
+    rules = [{"record": f"dashboard:query_{i}", "expr": as_promql(e)} for i, e in enumerate(dashboard_exprs(dashboard))]
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    r = run([promtool, "check", "rules", str(path)])
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def counter(name: str, labels: dict, per_minute: float) -> dict:
+    selector = name + "{" + ", ".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
+    return {"series": selector, "values": f"0+{per_minute}x10"}
+
+
+NGRAM = {"model_name": "m", "method": "ngram"}
+DRAFT = {"model_name": "m2", "method": "draft_model"}
+# Per minute. ngram (k=3): 10 rounds, 30 drafted, 18 accepted (8, 6, 4 by position),
+# so 10 * (1 + 1.8) = 28 generated tokens; draft_model: 5 rounds, 15 drafted, 5 accepted (3, 1, 1).
+SERIES = [
+    counter(gen.DRAFTS, NGRAM, 10), counter(gen.DRAFTED, NGRAM, 30), counter(gen.ACCEPTED, NGRAM, 18),
+    *(counter(gen.PER_POS, {**NGRAM, "position": str(i)}, n) for i, n in enumerate((8, 6, 4))),
+    counter(gen.GENERATED, {"model_name": "m"}, 28),
+    counter(gen.DRAFTS, DRAFT, 5), counter(gen.DRAFTED, DRAFT, 15), counter(gen.ACCEPTED, DRAFT, 5),
+    *(counter(gen.PER_POS, {**DRAFT, "position": str(i)}, n) for i, n in enumerate((3, 1, 1))),
+    counter(gen.GENERATED, {"model_name": "m2"}, 10),
+]
+
+
+def samples(values: dict[str, float], **common) -> list[dict]:
+    return [{"labels": "{" + ", ".join(f'{k}="{v}"' for k, v in {**common, **lab}.items()) + "}", "value": x}
+            for lab, x in ((json.loads(k), v) for k, v in values.items())]
+
+
+def spec(ngram: float, draft_model: float) -> list[dict]:
+    return samples({json.dumps(NGRAM): ngram, json.dumps(DRAFT): draft_model})
+
+
+RANGE_STATS = {"window": gen.RANGE, "fn": "increase"}
+EXPECTED = [
+    (gen.acceptance_rate(), spec(0.6, 1 / 3)),
+    (gen.acceptance_rate(**RANGE_STATS), spec(0.6, 1 / 3)),
+    (gen.acceptance_length(), spec(2.8, 2.0)),
+    (gen.acceptance_length(**RANGE_STATS), spec(2.8, 2.0)),
+    (gen.draft_share(), samples({'{"model_name": "m"}': 18 / 28, '{"model_name": "m2"}': 0.5})),
+    (gen.acceptance_by_position(), [
+        s for i, (a, b) in enumerate(((0.8, 0.6), (0.6, 0.2), (0.4, 0.2)))
+        for s in samples({json.dumps({**NGRAM, "position": str(i)}): a, json.dumps({**DRAFT, "position": str(i)}): b})
+    ]),
+    (f"{gen.agg(gen.DRAFTED, gen.SPEC, gen.BY_SPEC)} - {gen.agg(gen.ACCEPTED, gen.SPEC, gen.BY_SPEC)}", spec(12 / 60, 10 / 60)),
+]
+
+
+def test_dashboard_formulas_compute_what_they_claim(promtool, dashboard, tmp_path):
+    """The dashboard's own expressions, evaluated by Prometheus on counters with known rates."""
+    on_dashboard = set(dashboard_exprs(dashboard))
+    for expr, _ in EXPECTED:
+        assert expr in on_dashboard, f"not on the dashboard: {expr}"
+    # promtool compares floats exactly: both sides are rounded to 1e-3 (as x / 1000 in both languages).
+    tests = [
+        {"expr": f"round({as_promql(expr)}, 0.001)", "eval_time": "10m",
+         "exp_samples": [dict(s, value=round(s["value"] * 1000) / 1000) for s in exp]}
+        for expr, exp in EXPECTED
+    ]
+    path = tmp_path / "test.yml"
+    path.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [
+        {"interval": "1m", "input_series": SERIES, "promql_expr_test": tests}
+    ]}))
+    r = run([promtool, "test", "rules", str(path)])
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("bad", ["sum(rate(x[5m])", "rate(x[5m]) by (le)"])
+def test_the_parse_check_catches_errors(promtool, tmp_path, bad):
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [{"record": "r", "expr": bad}]}]}))
+    assert run([promtool, "check", "rules", str(path)]).returncode != 0
