@@ -1,0 +1,139 @@
+"""Attention metadata (trees, slot mapping) and the torch paged-attention
+backend against a dense reference attention written here."""
+
+import numpy as np
+import pytest
+import torch
+
+from engine.attention import SeqSpec, build_attention_metadata, paged_attention, tree_depths, tree_mask
+from engine.attention.metadata import MAX_BATCHED_QUERY
+
+
+def test_tree_mask_hand_drawn():
+    #        root0
+    #       /     \
+    #    node1   node2
+    #     |
+    #    node3
+    mask = tree_mask((-1, 0, 0, 1))
+    assert mask.astype(int).tolist() == [
+        [1, 0, 0, 0],
+        [1, 1, 0, 0],
+        [1, 0, 1, 0],
+        [1, 1, 0, 1],
+    ]
+    assert tree_depths((-1, 0, 0, 1)).tolist() == [0, 1, 1, 2]
+
+
+def test_tree_mask_chain_is_causal_and_forest_roots_are_independent():
+    assert (tree_mask((-1, 0, 1, 2)) == np.tri(4, dtype=bool)).all()
+    # Two roots (two alternative first tokens), the second with a child.
+    assert tree_mask((-1, -1, 1)).astype(int).tolist() == [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
+    assert tree_depths((-1, -1, 1)).tolist() == [0, 0, 1]
+
+
+@pytest.mark.parametrize("parents", [(0,), (-1, 1), (-1, 2, 0)])
+def test_tree_mask_rejects_parent_not_before_child(parents):
+    with pytest.raises(ValueError):
+        tree_mask(parents)
+
+
+def test_metadata_slot_mapping_worked_example():
+    # r0: prefill of 3 into blocks [5]; r1: decode at position 4 of blocks [2, 9];
+    # r2: chain of 2 at positions 3, 4 of blocks [1, 0]. block_size 4.
+    specs = [SeqSpec(0, 3, [5]), SeqSpec(4, 1, [2, 9]), SeqSpec(3, 2, [1, 0])]
+    meta = build_attention_metadata(specs, block_size=4)
+    assert meta.slot_mapping.tolist() == [20, 21, 22, 36, 7, 0]
+    assert meta.solo == []  # all short: one padded batch
+    b = meta.batched
+    assert b.token_index.shape == (3, 3)  # padded to the longest query
+    assert b.valid.tolist() == [[True, True, True], [True, False, False], [True, True, False]]
+    assert b.token_index[b.valid].tolist() == [0, 1, 2, 3, 4, 5]
+    # Chain rule, per request: row i sees positions 0 .. context_len + i.
+    mask = b.mask[:, 0]
+    assert mask[0, :3, :3].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert mask[1, 0, :5].all()
+    assert mask[2, :2, :5].int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+
+
+def test_metadata_tree_mask_in_batch_and_long_queries_alone():
+    parents = (-1, 0, 0, 1)
+    long = MAX_BATCHED_QUERY + 1
+    specs = [SeqSpec(2, 4, [3, 0], parents), SeqSpec(0, long, list(range(4, 4 + long // 4 + 1)))]
+    meta = build_attention_metadata(specs, block_size=4)
+    assert len(meta.solo) == 1 and (meta.solo[0].start, meta.solo[0].end) == (4, 4 + long)
+    mask = meta.batched.mask[0, 0, :4, :6].int()
+    expected = np.ones((4, 6), dtype=int)
+    expected[:, 2:] = tree_mask(parents)
+    assert mask.tolist() == expected.tolist()
+
+
+# ---- paged attention against a dense reference ----
+
+
+def ancestors_or_self(parents, i):
+    out = {i}
+    while parents[i] >= 0:
+        i = parents[i]
+        out.add(i)
+    return out
+
+
+def dense_attention(q, k, v, context_len, parents):
+    """q [m, H, D]; k, v [context_len + m, KVH, D] -> [m, H, D], in float64."""
+    m, num_heads, d = q.shape
+    group = num_heads // k.shape[1]
+    out = torch.empty(m, num_heads, d, dtype=torch.float64)
+    for i in range(m):
+        visible = list(range(context_len)) + [context_len + j for j in sorted(ancestors_or_self(parents, i))]
+        for h in range(num_heads):
+            keys, vals = k[visible, h // group].double(), v[visible, h // group].double()
+            w = torch.softmax(keys @ q[i, h].double() / d**0.5, dim=0)
+            out[i, h] = w @ vals
+    return out
+
+
+CASES = [  # (context_len, query_len, parents or None for a chain)
+    (0, MAX_BATCHED_QUERY + 6, None),  # long prefill, alone, no context
+    (10, MAX_BATCHED_QUERY + 2, None),  # long chunk after a context, alone
+    (3, MAX_BATCHED_QUERY + 3, "random tree"),  # a long tree, alone
+    (0, 5, None),  # short prefill, batched
+    (23, 1, None),  # decode
+    (7, 4, None),  # chain of drafts
+    (13, 6, (-1, 0, 0, 1, 1, 2)),  # small tree
+    (5, 3, (-1, -1, 1)),  # forest: two roots
+]
+
+
+def test_paged_attention_matches_dense_reference():
+    gen = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
+    num_heads, num_kv_heads, d, block_size = 4, 2, 8, 4
+    specs, qs, ks, vs, refs = [], [], [], [], []
+    need = [-(-(c + m) // block_size) for c, m, _ in CASES]
+    order = rng.permutation(sum(need) + 3).tolist()  # scattered, non-contiguous blocks
+    num_blocks = len(order)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, d, generator=gen)  # garbage where unused
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, d, generator=gen)
+    for (c, m, parents), n in zip(CASES, need):
+        table, order = order[:n], order[n:]
+        if parents == "random tree":
+            parents = tuple(int(rng.integers(-1, i)) for i in range(m))
+        k = torch.randn(c + m, num_kv_heads, d, generator=gen)
+        v = torch.randn(c + m, num_kv_heads, d, generator=gen)
+        q = torch.randn(m, num_heads, d, generator=gen)
+        for pos in range(c):  # the context is already in the cache
+            k_cache[table[pos // block_size], pos % block_size] = k[pos]
+            v_cache[table[pos // block_size], pos % block_size] = v[pos]
+        specs.append(SeqSpec(c, m, table, parents))
+        qs.append(q), ks.append(k[c:]), vs.append(v[c:])
+        refs.append(dense_attention(q, k, v, c, parents or tuple(range(-1, m - 1))))
+    meta = build_attention_metadata(specs, block_size)
+    assert len(meta.solo) == 3
+    out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), (k_cache, v_cache), meta)
+    torch.testing.assert_close(out.double(), torch.cat(refs), atol=1e-5, rtol=1e-5)
+    # The new K/V were written to their slots.
+    flat_k = k_cache.view(-1, num_kv_heads, d)
+    flat_v = v_cache.view(-1, num_kv_heads, d)
+    assert torch.equal(flat_k[meta.slot_mapping], torch.cat(ks))
+    assert torch.equal(flat_v[meta.slot_mapping], torch.cat(vs))
