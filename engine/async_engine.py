@@ -78,6 +78,7 @@ class AsyncEngine:
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
+                    finished = True  # never added, or already ended by the engine: nothing to abort
                     raise item
                 yield item
                 if item.finished:
@@ -128,7 +129,7 @@ class AsyncEngine:
         try:
             self.engine.add_request(msg.request_id, msg.prompt, msg.params)
         except Exception as e:  # noqa: BLE001 - reported to the caller's stream
-            msg.loop.call_soon_threadsafe(msg.stream.put_nowait, e)
+            _send(msg, e)
             return
         self._streams[msg.request_id] = msg
 
@@ -148,10 +149,22 @@ class AsyncEngine:
             return
         if out.finished:
             del self._streams[out.request_id]
-        msg.loop.call_soon_threadsafe(msg.stream.put_nowait, out)
+        if not _send(msg, out) and not out.finished:  # nobody can read this stream any more
+            del self._streams[out.request_id]
+            self.engine.abort_request(out.request_id)
 
     def _fail_all(self, error: BaseException) -> None:
         for rid, msg in list(self._streams.items()):
             self.engine.abort_request(rid)
-            msg.loop.call_soon_threadsafe(msg.stream.put_nowait, error)
+            _send(msg, error)
         self._streams.clear()
+
+
+def _send(msg: _Add, item) -> bool:
+    """Puts ``item`` on the stream from the engine thread; False when the
+    consumer's event loop is closed (which must not kill the engine loop)."""
+    try:
+        msg.loop.call_soon_threadsafe(msg.stream.put_nowait, item)
+    except RuntimeError:  # "Event loop is closed"
+        return False
+    return True
