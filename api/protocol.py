@@ -55,6 +55,8 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[Int64] | None = None
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    # specserve: false opts this request out of speculative decoding.
+    speculative_decoding: bool | None = True
 
     @property
     def include_usage(self) -> bool:
@@ -101,10 +103,36 @@ def _now() -> int:
     return int(time.time())
 
 
+class SpecDecodeUsage(BaseModel):
+    """specserve's extension of ``usage``: speculative decoding of this request's choices."""
+
+    num_drafts: int = 0  # rounds that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    mean_acceptance_length: float = 1.0  # tokens per drafting round: 1 + accepted / drafts
+
+    @classmethod
+    def total(cls, summaries: list[dict]) -> "SpecDecodeUsage | None":
+        """Summed over choices; None when no choice speculated."""
+        summaries = [s for s in summaries if s]
+        if not summaries:
+            return None
+        d, t, a = (sum(s[k] for s in summaries) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
+        return cls(num_drafts=d, num_draft_tokens=t, num_accepted_tokens=a, mean_acceptance_length=1 + a / d if d else 1.0)
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    spec_decode: SpecDecodeUsage | None = None  # present only when a choice speculated
+
+    @model_serializer(mode="wrap")
+    def _omit_empty_spec(self, handler):
+        data = handler(self)
+        if data.get("spec_decode") is None:
+            data.pop("spec_decode", None)
+        return data
 
 
 class CompletionLogprobs(BaseModel):

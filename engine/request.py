@@ -44,6 +44,7 @@ class Request:
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
         self.num_preemptions = 0
         # Delta bookkeeping: what the last emitted RequestOutput covered.
         self.num_emitted_tokens = 0

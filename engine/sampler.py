@@ -123,8 +123,17 @@ def processed_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 
 
 def processed_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """The processed distribution p of each row. [n, vocab]."""
-    return processed_logits(logits, b).softmax(-1)
+    """The processed distribution p of each row. [n, vocab].
+
+    A row with no finite logit left (extreme penalties or biases) would be NaN;
+    it becomes one-hot at its raw argmax instead.
+    """
+    probs = processed_logits(logits, b).softmax(-1)
+    bad = ~torch.isfinite(probs).all(dim=-1)
+    if bad.any():
+        fallback = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(probs.dtype)
+        probs = torch.where(bad.unsqueeze(1), fallback, probs)
+    return probs
 
 
 def exponential_noise(shape: tuple[int, int], generators: list, device) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """Per-request sampling settings, validated once at construction."""
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_TOP_K = 1 << 20  # more than any vocabulary; larger values are refused, not clamped
 GREEDY_EPS = 1e-5  # temperatures below this are greedy
 
 
@@ -40,6 +42,12 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            _check(math.isfinite(getattr(self, name)), name, f"must be a finite number, got {getattr(self, name)}")
+        _check(self.top_k <= MAX_TOP_K, "top_k", f"must be at most {MAX_TOP_K}, got {self.top_k}")
+        _check(
+            self.seed is None or 0 <= self.seed < 2**63, "seed", f"must be in [0, 2^63), got {self.seed}"
+        )
         _check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
         _check(self.temperature >= 0, "temperature", f"must be non-negative, got {self.temperature}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -49,7 +57,11 @@ class SamplingParams:
         _check(
             -2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}"
         )
-        _check(self.repetition_penalty > 0, "repetition_penalty", f"must be positive, got {self.repetition_penalty}")
+        _check(
+            0 < self.repetition_penalty <= 100,
+            "repetition_penalty",
+            f"must be in (0, 100], got {self.repetition_penalty}",
+        )
         _check(
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             "logprobs",
@@ -57,7 +69,9 @@ class SamplingParams:
         )
         for tok, bias in (self.logit_bias or {}).items():
             _check(isinstance(tok, int) and tok >= 0, "logit_bias", f"keys must be token ids, got {tok!r}")
-            _check(-100 <= bias <= 100, "logit_bias", f"values must be in [-100, 100], got {bias}")
+            _check(
+                math.isfinite(bias) and -100 <= bias <= 100, "logit_bias", f"values must be in [-100, 100], got {bias}"
+            )
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
 
     @property

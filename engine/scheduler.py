@@ -13,6 +13,7 @@ computed count drops to zero, and it goes back to the front of the waiting
 queue, to be recomputed from its tokens (prompt and output so far).
 """
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -128,6 +129,8 @@ class Scheduler:
             if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
                 break
             self.waiting.popleft()
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append(self._scheduled(req, n))
@@ -194,6 +197,8 @@ class Scheduler:
             tokens = result.sampled.get(rid)
             if not tokens:
                 continue
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
             append_tokens(req, tokens, self.max_model_len, result.logprobs.get(rid))
             touched.append(req)
             if req.is_finished:

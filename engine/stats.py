@@ -25,6 +25,7 @@ class SpecStepStats:
     accepted_per_pos: tuple[int, ...]  # [k]: accepted drafts at each position
     tokens_per_round: tuple[int, ...]  # tokens emitted by each drafting request
     num_paused: int  # requests whose drafting is paused
+    num_fallbacks: int = 0  # 1 when the drafter failed this step and its requests decoded plainly
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class StepStats:
     num_scheduled_tokens: int
     num_generated_tokens: int
     finished: tuple = ()  # (request_id, finish_reason) ended this step
+    first_token_times: tuple[tuple[float, float], ...] = ()  # (queue s, prefill s) of first tokens this step
     spec: SpecStepStats | None = None
     extra: dict = field(default_factory=dict)
 
@@ -67,6 +69,11 @@ def make_step_stats(engine, scheduled, result, touched, times: StepTimes) -> Ste
         num_scheduled_tokens=scheduled.num_tokens,
         num_generated_tokens=sum(len(v) for v in result.sampled.values()),
         finished=tuple((r.request_id, r.finish_reason) for r in touched if r.is_finished),
+        first_token_times=tuple(
+            (r.first_scheduled_time - r.arrival_time, r.first_token_time - r.first_scheduled_time)
+            for r in touched
+            if r.num_output_tokens == len(result.sampled.get(r.request_id, ())) and r.first_scheduled_time
+        ),
         spec=spec,
     )
 

@@ -44,6 +44,9 @@ def create_app(settings: ServerSettings | None = None, llm_engine: LLMEngine | N
         llm = llm_engine or await asyncio.to_thread(LLMEngine, settings.engine_config())
         engine = AsyncEngine(llm)
         serving = ServingEngine(engine, settings)
+        spec = llm.config.speculative
+        on_step = serving.metrics.attach_engine(spec.method, spec.num_speculative_tokens).on_step
+        llm.stat_loggers.append(on_step)
         app.state.specserve = AppState(settings, serving, CompletionServing(serving), ChatServing(serving))
         log.info(
             "serving",
@@ -56,6 +59,7 @@ def create_app(settings: ServerSettings | None = None, llm_engine: LLMEngine | N
         finally:
             aborted = serving.abort_all("shutdown")
             await asyncio.to_thread(engine.shutdown)
+            llm.stat_loggers.remove(on_step)
             log.info("engine stopped", extra={"fields": {"aborted": aborted}})
 
     app = FastAPI(title="specserve", lifespan=lifespan)

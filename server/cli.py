@@ -6,6 +6,7 @@
 """
 
 import argparse
+import json
 import logging
 import sys
 import typing
@@ -45,6 +46,16 @@ def _serve(args) -> int:
     return run_server(settings)
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per settings field; unset flags stay out of the namespace (env / default apply)."""
     for name, field in ServerSettings.model_fields.items():
@@ -57,6 +68,8 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
             kwargs["choices"] = list(typing.get_args(ann))
         elif any(typing.get_origin(a) is list for a in args):
             kwargs["nargs"] = "+"
+        elif dict in args:
+            kwargs["type"] = _json_object
         default = field.default if name != "api_key" else None
         shown = f" [default: {default}]" if default is not None else ""
         kwargs["help"] = f"{field.description}{shown} (env SPECSERVE_{name.upper()})"

@@ -37,13 +37,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import prometheus_client
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 # The *_created series double the output and carry nothing PromQL needs (vLLM drops them too).
 prometheus_client.disable_created_metrics()
 
+REJECT_REASONS = ("queue_full", "shutting_down", "engine_dead")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160, 640)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 60, 120, 240, 480, 960, 1920, 7680)
@@ -113,6 +115,10 @@ class ServingMetrics:
             labels + ["reason"],
             registry=reg,
         )
+        for reason in REJECT_REASONS:  # export zeros from the start, so rates exist before the first event
+            self._rejected.labels(model_name, reason)
+        for reason in FINISH_REASONS:
+            self._finished.labels(model_name, reason)
         self._prompt = Counter(
             "specserve_prompt_tokens", "Prompt tokens of ended requests.", labels, registry=reg
         ).labels(model_name)
@@ -141,6 +147,12 @@ class ServingMetrics:
             registry=reg,
         ).labels(model_name)
         reg.register(_EngineCollector(snapshot, model_name))
+        self.steps: StepMetrics | None = None
+
+    def attach_engine(self, method: str | None, max_drafts: int) -> "StepMetrics":
+        """The per-step metrics of an engine; register ``.on_step`` as its stat logger."""
+        self.steps = StepMetrics(self.registry, self.model_name, method or "none", max_drafts)
+        return self.steps
 
     def on_tokens(self, stats: RequestStats, num_new: int, now: float | None = None) -> None:
         """``num_new`` output tokens of the request arrived (call before updating its counts)."""
@@ -170,3 +182,80 @@ class ServingMetrics:
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+STEP_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5)
+STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class StepMetrics:
+    """Engine-step metrics: scheduling and speculative decoding. Labels ``model_name``
+    and ``method``; ``on_step`` runs on the engine thread (prometheus_client is thread-safe)."""
+
+    def __init__(self, reg: CollectorRegistry, model_name: str, method: str, max_drafts: int):
+        m = (model_name,)
+        mm = (model_name, method)
+        both = ["model_name", "method"]
+
+        def counter(name, doc):
+            return Counter(f"specserve_spec_decode_{name}", doc, both, registry=reg).labels(*mm)
+
+        def histogram(name, doc, buckets, labels=both, values=mm):
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(*values)
+
+        self.queue = histogram("specserve_request_queue_time_seconds", "Arrival to first scheduling.", QUEUE_BUCKETS, ["model_name"], m)
+        self.prefill = histogram(
+            "specserve_request_prefill_time_seconds", "First scheduling to first token.", QUEUE_BUCKETS, ["model_name"], m
+        )
+        self.step_tokens = histogram(
+            "specserve_step_tokens", "Tokens computed per engine step.", STEP_TOKEN_BUCKETS, ["model_name"], m
+        )
+        self.drafts = counter("num_drafts", "Drafting rounds verified (requests x steps with drafts).")
+        self.draft_tokens = counter("num_draft_tokens", "Draft tokens verified.")
+        self.accepted = counter("num_accepted_tokens", "Draft tokens accepted.")
+        self.fallbacks = counter("fallbacks", "Steps in which the drafter failed and its requests decoded plainly.")
+        per_pos = Counter(
+            "specserve_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0 = first draft).",
+            both + ["position"],
+            registry=reg,
+        )
+        self.per_pos = [per_pos.labels(*mm, str(i)) for i in range(max_drafts)]
+        rounds = tuple(range(1, max_drafts + 2))
+        self.tokens_per_round = histogram(
+            "specserve_spec_decode_tokens_per_round", "Tokens emitted by one drafting round (accepted + 1).", rounds
+        )
+        self.draft_time = histogram(
+            "specserve_spec_decode_draft_time_seconds", "Scheduling and drafting time per step.", STEP_TIME_BUCKETS
+        )
+        self.verify_time = histogram(
+            "specserve_spec_decode_verify_time_seconds", "Target pass and verification time per step.", STEP_TIME_BUCKETS
+        )
+        self.paused = Gauge(
+            "specserve_spec_decode_num_paused_requests", "Requests whose drafting is paused (drafts did not pay).",
+            both, registry=reg,
+        ).labels(*mm)
+
+    def on_step(self, stats) -> None:
+        self.step_tokens.observe(stats.num_scheduled_tokens)
+        for queue_s, prefill_s in stats.first_token_times:
+            self.queue.observe(queue_s)
+            self.prefill.observe(prefill_s)
+        spec = stats.spec
+        if spec is None:
+            return
+        self.draft_time.observe(stats.times.draft_s)
+        self.verify_time.observe(stats.times.execute_s)
+        self.paused.set(spec.num_paused)
+        self.fallbacks.inc(spec.num_fallbacks)
+        if not spec.num_drafts:
+            return
+        self.drafts.inc(spec.num_drafts)
+        self.draft_tokens.inc(spec.num_draft_tokens)
+        self.accepted.inc(spec.num_accepted_tokens)
+        for counter, n in zip(self.per_pos, spec.accepted_per_pos):
+            if n:
+                counter.inc(n)
+        for n in spec.tokens_per_round:
+            self.tokens_per_round.observe(n)

@@ -52,6 +52,7 @@ def build_params(req: SamplingRequest, max_tokens: int, logprobs: int | None) ->
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             logprobs=logprobs,
             skip_special_tokens=_or(req.skip_special_tokens, True),
+            speculate=_or(req.speculative_decoding, True),
         )
     except InvalidParameter as e:
         raise bad_request(str(e), param=e.param) from None

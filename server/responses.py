@@ -31,6 +31,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    spec: dict = field(default_factory=dict)  # speculation summary of the finished choice
 
 
 async def collect(gen: Generation) -> list[ChoiceResult] | None:
@@ -45,6 +46,7 @@ async def collect(gen: Generation) -> list[ChoiceResult] | None:
             r.num_output_tokens = out.num_output_tokens
             if out.finished:
                 r.finish_reason = out.finish_reason
+                r.spec = out.spec
     except ClientGone:
         return None
     finally:

@@ -23,6 +23,7 @@ from api.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
+    SpecDecodeUsage,
     Usage,
 )
 from api.sse import sse_chunk
@@ -119,12 +120,15 @@ class _View:
         self.created = int(time.time())
         self.started = [False] * n
         self.completion_tokens = [0] * n
+        self.spec = [{}] * n
 
     def render(self, index: int, out: RequestOutput):
         if not self.started[index]:
             self.started[index] = True
             yield self._chunk(index, DeltaMessage(role="assistant", content=""))
         self.completion_tokens[index] = out.num_output_tokens
+        if out.finished:
+            self.spec[index] = out.spec
         if out.new_text or (self.want_logprobs and out.logprobs):
             lp = (
                 ChatChoiceLogprobs(content=chat_logprobs(out.logprobs or [], self.decode))
@@ -142,7 +146,7 @@ class _View:
                 created=self.created,
                 model=self.model,
                 choices=[],
-                usage=self._usage(sum(self.completion_tokens)),
+                usage=self._usage(sum(self.completion_tokens), self.spec),
             )
             yield sse_chunk(chunk, include_usage=True)
 
@@ -163,9 +167,14 @@ class _View:
             )
             for i, r in enumerate(results)
         ]
-        usage = self._usage(sum(r.num_output_tokens for r in results))
+        usage = self._usage(sum(r.num_output_tokens for r in results), [r.spec for r in results])
         return ChatCompletionResponse(id=self.cid, created=self.created, model=self.model, choices=choices, usage=usage)
 
-    def _usage(self, completion_tokens: int) -> Usage:
+    def _usage(self, completion_tokens: int, spec: list[dict]) -> Usage:
         p = self.num_prompt_tokens
-        return Usage(prompt_tokens=p, completion_tokens=completion_tokens, total_tokens=p + completion_tokens)
+        return Usage(
+            prompt_tokens=p,
+            completion_tokens=completion_tokens,
+            total_tokens=p + completion_tokens,
+            spec_decode=SpecDecodeUsage.total(spec),
+        )

@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from api.errors import bad_request
-from api.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
+from api.protocol import CompletionChoice, CompletionRequest, CompletionResponse, SpecDecodeUsage, Usage
 from api.sse import sse_chunk
 from engine.outputs import RequestOutput
 from server.logprobs import TokenDecoder, completion_logprobs
@@ -82,6 +82,7 @@ class _View:
         self.started = [False] * k
         self.offsets = [0] * k  # text offset of the next token, per choice
         self.completion_tokens = [0] * k
+        self.spec = [{}] * k
 
     def _echo(self, index: int) -> str:
         return self.echo[index // self.n] if self.echo else ""
@@ -92,6 +93,8 @@ class _View:
             self.started[index] = True
             text = self._echo(index) + text
         self.completion_tokens[index] = out.num_output_tokens
+        if out.finished:
+            self.spec[index] = out.spec
         logprobs = None
         if self.want_logprobs:
             logprobs, self.offsets[index] = completion_logprobs(out.logprobs or [], self.decode, self.offsets[index])
@@ -102,7 +105,7 @@ class _View:
 
     def tail(self):
         if self.include_usage:
-            yield sse_chunk(self._response([], self._usage(sum(self.completion_tokens))), include_usage=True)
+            yield sse_chunk(self._response([], self._usage(sum(self.completion_tokens), self.spec)), include_usage=True)
 
     def response(self, results: list[ChoiceResult]) -> CompletionResponse:
         choices = []
@@ -111,14 +114,15 @@ class _View:
             choices.append(
                 CompletionChoice(index=i, text=self._echo(i) + r.text, logprobs=lp, finish_reason=r.finish_reason)
             )
-        return self._response(choices, self._usage(sum(r.num_output_tokens for r in results)))
+        return self._response(choices, self._usage(sum(r.num_output_tokens for r in results), [r.spec for r in results]))
 
-    def _usage(self, completion_tokens: int) -> Usage:
+    def _usage(self, completion_tokens: int, spec: list[dict]) -> Usage:
         prompt_tokens = sum(len(p) for p in self.prompts)
         return Usage(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            spec_decode=SpecDecodeUsage.total(spec),
         )
 
     def _response(self, choices, usage=None) -> CompletionResponse:

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from engine.model_store import DEFAULT_MODEL_NAME
 
 
@@ -32,6 +32,12 @@ class ServerSettings(BaseSettings):
         None, gt=0, description="context length: prompt plus output (default: the model's)"
     )
     seed: int = Field(0, description="seed of the engine's default random generator")
+    num_threads: int | None = Field(None, gt=0, description="CPU threads for torch (default: every core)")
+    speculative_config: dict | None = Field(
+        None,
+        description='speculative decoding, as JSON: {"method": "ngram" | "draft_model" | "early_exit", '
+        '"num_speculative_tokens": k, ...}; see README',
+    )
     # -- KV cache and scheduler (engine) --
     block_size: int = Field(16, gt=0, description="tokens per KV-cache block")
     kv_cache_memory_bytes: int = Field(1 << 30, gt=0, description="KV-cache budget in bytes")
@@ -57,6 +63,12 @@ class ServerSettings(BaseSettings):
             return [name.strip() for name in v.split(",") if name.strip()]
         return v
 
+    @field_validator("speculative_config")
+    @classmethod
+    def _check_speculative(cls, v):
+        SpeculativeConfig.from_dict(v)  # raises ValueError with the offending keys
+        return v
+
     @property
     def model_names(self) -> list[str]:
         """The names clients may use; the first one is reported in responses."""
@@ -65,7 +77,12 @@ class ServerSettings(BaseSettings):
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=ModelConfig(
-                model=self.model, dtype=self.dtype, device=self.device, max_model_len=self.max_model_len, seed=self.seed
+                model=self.model,
+                dtype=self.dtype,
+                device=self.device,
+                max_model_len=self.max_model_len,
+                seed=self.seed,
+                num_threads=self.num_threads,
             ),
             cache=CacheConfig(block_size=self.block_size, memory_bytes=self.kv_cache_memory_bytes),
             scheduler=SchedulerConfig(
@@ -73,4 +90,5 @@ class ServerSettings(BaseSettings):
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_waiting=self.max_waiting,
             ),
+            speculative=SpeculativeConfig.from_dict(self.speculative_config),
         )
