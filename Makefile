@@ -7,13 +7,12 @@ PIP := $(PY) -m pip
 # The CPU build of torch lies on this machine's disk; GPU nodes take the CUDA build from PyPI.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup serve test test-slow test-all bench clean-venv
+.PHONY: setup serve test test-slow test-all bench clean-venv tools
 
 setup: $(VENV)/.installed model
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q $(TORCH_CPU); fi
 	$(PIP) install -q -e '.[dev]'
 	touch $@
@@ -25,13 +24,17 @@ model: $(VENV)/.installed
 serve: setup
 	$(VENV)/bin/specserve serve $(ARGS)
 
-test: setup
+# promtool (Debian's prometheus package) checks deploy/prometheus/prometheus.yml in the tests.
+tools:
+	command -v promtool >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
+test: setup tools
 	$(PY) -m pytest -q $(ARGS)
 
-test-slow: setup
+test-slow: setup tools
 	$(PY) -m pytest -q -m slow $(ARGS)
 
-test-all: setup
+test-all: setup tools
 	$(PY) -m pytest -q -m 'slow or not slow' $(ARGS)
 
 bench: setup
