@@ -56,7 +56,9 @@ def run(engine, prompts, params, prefix: str = "req") -> list[Finished]:
     reqs = [engine.add_request(f"{prefix}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
     deltas: dict[str, list[RequestOutput]] = {r.request_id: [] for r in reqs}
     while engine.has_unfinished():
-        for out in engine.step():
+        outs = engine.step()
+        assert outs or engine.scheduler.running, "the engine stalled: requests wait, none runs"
+        for out in outs:
             deltas[out.request_id].append(out)
     for r in reqs:
         assert r.is_finished and deltas[r.request_id][-1].finished

@@ -22,6 +22,9 @@ MIXED_TEXTS = [
 ]
 
 
+NUM_TOKENS = 12
+
+
 @pytest.fixture(scope="module")
 def mixed_prompts(default_tokenizer):
     prompts = [default_tokenizer.encode(t, add_special_tokens=False) for t in MIXED_TEXTS]
@@ -32,21 +35,23 @@ def mixed_prompts(default_tokenizer):
 
 @pytest.fixture(scope="module")
 def alone_outputs(default_engine, mixed_prompts):
-    """Greedy 16 tokens of each mixed prompt, each run alone (the reference)."""
-    return [run(default_engine, [p], greedy(16), prefix="alone")[0].token_ids for p in mixed_prompts]
+    """Greedy tokens of each mixed prompt, each run alone (the reference)."""
+    return [run(default_engine, [p], greedy(NUM_TOKENS), prefix="alone")[0].token_ids for p in mixed_prompts]
 
 
 def test_batch_of_eight_mixed_lengths_equals_each_alone(default_engine, mixed_prompts, alone_outputs):
-    batch = run(default_engine, mixed_prompts, greedy(16))
+    batch = run(default_engine, mixed_prompts, greedy(NUM_TOKENS))
     assert [r.token_ids for r in batch] == alone_outputs
 
 
 def test_preemption_with_a_tiny_pool_gives_the_unpressured_outputs(make_engine, mixed_prompts, alone_outputs):
-    """Six blocks of 16 tokens for requests of up to 7 blocks: they preempt
-    each other, are recomputed, and still write the same tokens."""
-    prompts = [p for p in mixed_prompts if len(p) <= 30]
-    engine = make_engine(max_model_len=96, num_blocks=6, block_size=16)
-    outs = run(engine, prompts, greedy(16))
+    """Four blocks of 16 tokens for four requests of two blocks each at the
+    end: they preempt each other, are recomputed, and still write the same
+    tokens."""
+    prompts = [p for p in mixed_prompts if 4 < len(p) <= 20][:4]
+    assert len(prompts) == 4
+    engine = make_engine(max_model_len=64, num_blocks=4, block_size=16)
+    outs = run(engine, prompts, greedy(NUM_TOKENS))
     assert engine.scheduler.num_preemptions > 0
     assert any(o.request.num_preemptions > 0 for o in outs)
     expected = [alone_outputs[mixed_prompts.index(p)] for p in prompts]
@@ -58,7 +63,7 @@ def test_preemption_with_a_tiny_pool_gives_the_unpressured_outputs(make_engine, 
 def test_chunked_prefill_equals_unchunked(make_engine, mixed_prompts, alone_outputs):
     long = max(mixed_prompts, key=len)
     engine = make_engine(max_num_batched_tokens=32, num_blocks=64)
-    req = engine.add_request("long", long, greedy(16))
+    req = engine.add_request("long", long, greedy(NUM_TOKENS))
     steps_to_first_token = 0
     while not req.output_token_ids:
         engine.step()
@@ -70,16 +75,18 @@ def test_chunked_prefill_equals_unchunked(make_engine, mixed_prompts, alone_outp
 
 
 def test_seeded_sampling_is_reproducible_across_batch_compositions(default_engine, mixed_prompts):
-    params = [SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=s, ignore_eos=True) for s in (1, 2)]
-    prompts = [mixed_prompts[1], mixed_prompts[7]]
-    alone = [run(default_engine, [p], sp, prefix="alone")[0].token_ids for p, sp in zip(prompts, params)]
-    # Same seeds again, now in a batch with other requests (greedy, unseeded
-    # random, and one with the same seed on another prompt).
-    others = [mixed_prompts[0], mixed_prompts[3], mixed_prompts[5]]
-    other_params = [greedy(12), SamplingParams(max_tokens=12, temperature=1.0), params[0]]
-    batch = run(default_engine, others[:2] + [prompts[0]] + others[2:] + [prompts[1]], other_params[:2] + [params[0], other_params[2], params[1]])
-    assert [batch[2].token_ids, batch[4].token_ids] == alone
-    assert alone[0] != run(default_engine, [prompts[0]], SamplingParams(max_tokens=12, seed=3, ignore_eos=True))[0].token_ids
+    seeded = lambda seed: SamplingParams(max_tokens=8, temperature=1.0, top_p=0.95, seed=seed, ignore_eos=True)  # noqa: E731
+    prompt = mixed_prompts[1]
+    (alone,) = run(default_engine, [prompt], seeded(1), prefix="alone")
+    # The same seed again, in a batch with a greedy request, an unseeded random
+    # one, the same seed on another prompt, and another seed on this prompt.
+    batch = run(
+        default_engine,
+        [mixed_prompts[0], mixed_prompts[3], prompt, mixed_prompts[7], prompt],
+        [greedy(8), SamplingParams(max_tokens=8, temperature=1.0), seeded(1), seeded(1), seeded(2)],
+    )
+    assert batch[2].token_ids == alone.token_ids
+    assert batch[4].token_ids != alone.token_ids  # the seed matters: the check above can fail
 
 
 def test_first_token_frequencies_match_the_models_processed_distribution(make_engine, default_engine, default_tokenizer):
