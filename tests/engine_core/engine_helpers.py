@@ -53,7 +53,7 @@ def run(engine, prompts, params, prefix: str = "req") -> list[Finished]:
     returns each request with the deltas ``engine.step`` gave for it."""
     params = params if isinstance(params, list) else [params] * len(prompts)
     assert not engine.has_unfinished()
-    reqs = [engine.add_request(f"{prefix}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    reqs = [engine.add_request(f"{prefix}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
     deltas: dict[str, list[RequestOutput]] = {r.request_id: [] for r in reqs}
     while engine.has_unfinished():
         outs = engine.step()

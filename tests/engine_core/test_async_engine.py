@@ -7,10 +7,10 @@ import asyncio
 import time
 
 import pytest
-from tests.engine_core.engine_helpers import greedy, run
 
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import InvalidParameter
+from tests.engine_core.engine_helpers import greedy, run
 
 
 @pytest.fixture

@@ -115,7 +115,7 @@ def test_paged_attention_matches_dense_reference():
     num_blocks = len(order)
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, d, generator=gen)  # garbage where unused
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, d, generator=gen)
-    for (c, m, parents), n in zip(CASES, need):
+    for (c, m, parents), n in zip(CASES, need, strict=True):
         table, order = order[:n], order[n:]
         if parents == "random tree":
             parents = tuple(int(rng.integers(-1, i)) for i in range(m))

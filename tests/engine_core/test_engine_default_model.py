@@ -4,9 +4,16 @@ streaming."""
 
 import numpy as np
 import pytest
-from tests.engine_core.engine_helpers import assert_distribution, chi_square_p_value, expected_probs, greedy, prompt_logits, run
 
 from engine.sampling_params import SamplingParams
+from tests.engine_core.engine_helpers import (
+    assert_distribution,
+    chi_square_p_value,
+    expected_probs,
+    greedy,
+    prompt_logits,
+    run,
+)
 
 # Eight prompts of mixed lengths: short and long prefills (some over the
 # batched-query limit of 64 tokens), block boundaries crossed at different steps.
@@ -89,7 +96,9 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(default_engin
     assert batch[4].token_ids != alone.token_ids  # the seed matters: the check above can fail
 
 
-def test_first_token_frequencies_match_the_models_processed_distribution(make_engine, default_engine, default_tokenizer):
+def test_first_token_frequencies_match_the_models_processed_distribution(
+    make_engine, default_engine, default_tokenizer
+):
     """Many requests with different seeds sample one token after the same
     prompt; their frequencies follow the processed distribution computed here
     from the model's logits."""

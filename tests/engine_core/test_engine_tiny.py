@@ -3,9 +3,9 @@ batching, preemption, chunking, EOS, logprobs and request validation."""
 
 import pytest
 import torch
-from tests.engine_core.engine_helpers import greedy, prompt_logits, run
 
 from engine.sampling_params import InvalidParameter, SamplingParams
+from tests.engine_core.engine_helpers import greedy, prompt_logits, run
 
 VOCAB = 512
 
@@ -62,7 +62,7 @@ def test_logprobs_follow_the_model(make_engine, model):
     assert [lp.token_id for lp in out.request.logprobs] == out.token_ids
     logits = prompt_logits(model, prompt + out.token_ids)[len(prompt) - 1 : -1]
     logp = torch.log_softmax(logits, -1)
-    for lp, row in zip(out.request.logprobs, logp):
+    for lp, row in zip(out.request.logprobs, logp, strict=True):
         assert lp.logprob == pytest.approx(row[lp.token_id].item(), abs=1e-4)
         assert [t for t, _ in lp.top] == row.topk(2).indices.tolist()
     assert [lp for d in out.deltas for lp in d.logprobs] == out.request.logprobs

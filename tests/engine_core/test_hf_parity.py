@@ -4,11 +4,11 @@ incremental decode steps, and greedy generations."""
 
 import pytest
 import torch
-from tests.engine_core.engine_helpers import forward_logits, greedy, run, scratch_cache
 from transformers import LlamaForCausalLM
 
 from engine.attention import SeqSpec
 from engine.attention.metadata import MAX_BATCHED_QUERY
+from tests.engine_core.engine_helpers import forward_logits, greedy, run, scratch_cache
 
 # Logits are of order 10-30; float32 differences from summation order are ~1e-5.
 ATOL, RTOL = 5e-4, 1e-5
@@ -36,9 +36,9 @@ def test_prefill_logits_match_transformers(default_engine, hf_model, default_tok
     assert len(prompts[1]) > MAX_BATCHED_QUERY >= len(prompts[0])
     kv = scratch_cache(default_engine.model, num_blocks=16)
     tables = [[3, 9], [0, 5, 7, 1, 8], [12]]  # scattered blocks
-    specs = [SeqSpec(0, len(p), t) for p, t in zip(prompts, tables)]
+    specs = [SeqSpec(0, len(p), t) for p, t in zip(prompts, tables, strict=True)]
     ours = forward_logits(default_engine.model, kv, specs, prompts)
-    for ids, logits in zip(prompts, ours):
+    for ids, logits in zip(prompts, ours, strict=True):
         ref = hf_logits(hf_model, ids)
         torch.testing.assert_close(logits, ref, atol=ATOL, rtol=RTOL)
         assert torch.equal(logits.argmax(-1), ref.argmax(-1))
@@ -54,7 +54,7 @@ def test_incremental_decode_logits_match_transformers(default_engine, hf_model, 
     ]
     prefill = [14, 9]
     steps = [(1, 3), (1, 1), (3, 2), (2, 1), (1, 3)]
-    assert all(p + sum(s[i] for s in steps) <= len(seq) for i, (p, seq) in enumerate(zip(prefill, seqs)))
+    assert all(p + sum(s[i] for s in steps) <= len(seq) for i, (p, seq) in enumerate(zip(prefill, seqs, strict=True)))
     kv = scratch_cache(default_engine.model, num_blocks=8)
     tables = [[6, 1], [2, 7]]
     refs = [hf_logits(hf_model, seq) for seq in seqs]
@@ -109,8 +109,7 @@ def test_greedy_generation_matches_transformers_generate(default_engine, hf_mode
     prompts = greedy_prompts(default_tokenizer)
     ours = run(default_engine, prompts, greedy(64))
     theirs = hf_generate(hf_model, prompts, 64, pad_id=default_tokenizer.pad_token_id or 0)
-    for prompt, mine, ref in zip(prompts, ours, theirs):
+    for prompt, mine, ref in zip(prompts, ours, theirs, strict=True):
         assert len(mine.token_ids) == 64
-        assert mine.token_ids == ref, (
-            f"prompt {default_tokenizer.decode(prompt)!r}: ours {mine.text!r} vs transformers {default_tokenizer.decode(ref)!r}"
-        )
+        theirs_text = default_tokenizer.decode(ref)
+        assert mine.token_ids == ref, f"{default_tokenizer.decode(prompt)!r}: {mine.text!r} vs {theirs_text!r}"

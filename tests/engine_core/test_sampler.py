@@ -8,12 +8,12 @@ import math
 import numpy as np
 import pytest
 import torch
-from tests.engine_core.engine_helpers import assert_distribution, chi_square_p_value, expected_probs
 
 import engine.sampler as sampler
 from engine.request import Request
 from engine.sampler import build_sampling_batch, compute_logprobs, penalized_logits, processed_probs, sample
 from engine.sampling_params import InvalidParameter, SamplingParams
+from tests.engine_core.engine_helpers import assert_distribution, chi_square_p_value, expected_probs
 
 
 def make_requests(params: list[SamplingParams], prompt=(0, 1), output=()) -> list[Request]:
@@ -36,7 +36,11 @@ def batch_for(params: list[SamplingParams], vocab: int, **kw):
 def test_penalties_and_logit_bias_hand_computed():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 0.0]] * 2)
     penalized = SamplingParams(
-        temperature=0.5, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.3, logit_bias={4: 10.0, 0: -1.0}
+        temperature=0.5,
+        repetition_penalty=2.0,
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+        logit_bias={4: 10.0, 0: -1.0},
     )
     plain = SamplingParams(temperature=0.5)
     # prompt [0, 1], output [3, 3, 2]: seen {0, 1, 2, 3}; output counts {3: 2, 2: 1}.
@@ -155,7 +159,7 @@ def test_fixed_logits_are_shaped_as_intended():
 def test_sampling_frequencies_match_processed_distribution():
     logits = fixed_logits()
     samples = sample_groups(logits)
-    for name, (kw, n) in SETTINGS.items():
+    for name, (kw, _n) in SETTINGS.items():
         probs = expected_probs(logits, **kw)
         assert (probs > 0).sum() < VOCAB or name == "plain"
         assert_distribution(samples[name], probs)
