@@ -30,14 +30,22 @@ def test_tiny_model_logits_are_far_from_ties(model):
         assert (top2[:, 0] - top2[:, 1]).min() > 1e-3
 
 
-def test_batch_preemption_and_chunking_do_not_change_greedy_outputs(make_engine, model):
+def test_batch_preemption_and_chunking_do_not_change_outputs(make_engine, model):
+    """Greedy and seeded requests: alone, in one batch, and in a batch under a
+    small pool and token budget (preemptions, chunked prefills) give the same
+    tokens. A preempted seeded request keeps its generator's state."""
     ps = prompts(10)
-    alone = [run(make_engine(model), [p], greedy(20))[0].token_ids for p in ps[:3]]
-    reference = run(make_engine(model), ps, greedy(20))
+    params = [
+        greedy(20) if i % 2 else SamplingParams(max_tokens=20, temperature=4.0, seed=i, ignore_eos=True)
+        for i in range(len(ps))
+    ]
+    alone = [run(make_engine(model), [p], sp)[0].token_ids for p, sp in zip(ps[:3], params[:3], strict=True)]
+    reference = run(make_engine(model), ps, params)
     assert [r.token_ids for r in reference[:3]] == alone
     pressured = make_engine(model, num_blocks=8, block_size=16, max_model_len=128, max_num_batched_tokens=24)
-    outs = run(pressured, ps, greedy(20))
+    outs = run(pressured, ps, params)
     assert pressured.scheduler.num_preemptions > 0
+    assert any(o.request.num_preemptions and o.request.params.seed is not None for o in outs)
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     for o in outs:
         assert o.streamed_token_ids == o.token_ids  # each token streamed once, preempted or not
