@@ -14,6 +14,7 @@ import torch
 from drafters.base import DraftSlot, build_drafter
 
 from engine.config import EngineConfig
+from engine.faults import FaultHook
 from engine.loader import load_config, load_model, load_tokenizer
 from engine.model_store import resolve_model
 from engine.models.llama import head_dim_of
@@ -68,6 +69,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, slots)
         self.eos_token_ids = _eos_ids(hf_config, tokenizer)
         self.stat_loggers: list = []  # callables taking each step's StepStats
+        self.fault_hook: FaultHook | None = None
+        self.step_fallbacks = 0  # 1 when the drafter failed in the current step
         log.info("engine ready: %d KV blocks of %d tokens on %s (%s)", num_blocks, spec.block_size, device, dtype)
 
     def tokenize(self, prompt: str) -> list[int]:
@@ -140,19 +143,54 @@ class LLMEngine:
             return []
         drafts = self._propose(scheduled)
         t1 = time.perf_counter()
-        result = self.runner.execute(scheduled, drafts)
+        result, failed = self._execute(scheduled, drafts)
         t2 = time.perf_counter()
-        touched = self.scheduler.update(scheduled, result)
+        touched = failed + self.scheduler.update(scheduled, result)
         self._after_step(scheduled, result, touched, StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t0))
         return [self._delta(r) for r in touched]
 
+    def set_fault_hook(self, hook: FaultHook | None) -> None:
+        """Tests: ``hook(stage, request_ids)`` may raise to simulate a failure (see engine.faults)."""
+        self.fault_hook = self.runner.fault_hook = hook
+
     def _propose(self, scheduled: SchedulerOutput) -> dict:
+        """Drafts for the scheduled slots; a failing drafter means no drafts this step."""
+        self.step_fallbacks = 0
         if self.drafter is None:
             return {}
         for rid in scheduled.finished_ids:
             self.drafter.free(rid)
         slots = [DraftSlot(s.request, s.num_draft_slots) for s in scheduled.scheduled if s.num_draft_slots]
-        return self.drafter.propose(slots) if slots else {}
+        if not slots:
+            return {}
+        try:
+            if self.fault_hook:
+                self.fault_hook("drafter", [s.request.request_id for s in slots])
+            return self.drafter.propose(slots)
+        except Exception:  # noqa: BLE001 - speculation is an optimization: decode plainly instead
+            log.exception("drafter failed; %d requests decode without drafts this step", len(slots))
+            self.step_fallbacks = 1
+            for s in slots:
+                self.drafter.free(s.request.request_id)  # its caches may be half-written
+            return {}
+
+    def _execute(self, scheduled: SchedulerOutput, drafts: dict) -> tuple[RunnerOutput, list[Request]]:
+        """The target pass. If it fails, each request is retried alone, so that
+        only the requests that fail by themselves end (with an error)."""
+        try:
+            return self.runner.execute(scheduled, drafts), []
+        except Exception:  # noqa: BLE001 - isolated below
+            log.exception("step of %d requests failed; retrying them one by one", len(scheduled.scheduled))
+        merged, failed = RunnerOutput({}), []
+        for i, s in enumerate(scheduled.scheduled):
+            alone = SchedulerOutput((s,), finished_ids=scheduled.finished_ids if i == 0 else ())
+            try:
+                merged.merge(self.runner.execute(alone, drafts))
+            except Exception as e:  # noqa: BLE001 - this request alone fails
+                log.error("request %s failed: %s", s.request_id, e)
+                self.scheduler.finish(s.request, "error", f"internal error: {type(e).__name__}")
+                failed.append(s.request)
+        return merged, failed
 
     def _after_step(self, scheduled: SchedulerOutput, result: RunnerOutput, touched: list[Request], times) -> None:
         """Tell the drafter what was kept, feed the policy, report stats."""

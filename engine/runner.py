@@ -42,6 +42,7 @@ class ModelRunner:
         self.device = device
         self.vocab_size = model.config.vocab_size
         self.generators: dict[str, torch.Generator] = {}  # per seeded request, kept across preemption
+        self.fault_hook = None  # tests: called as hook(stage, request_ids); see engine.faults
         torch.manual_seed(seed)
 
     @torch.inference_mode()
@@ -51,10 +52,14 @@ class ModelRunner:
         drafts = drafts or {}
         sched = out.scheduled
         chains = [s.token_ids + tuple(drafts[s.request_id].token_ids if s.request_id in drafts else ()) for s in sched]
+        if self.fault_hook:
+            self.fault_hook("model", [s.request_id for s in sched])
         logits, rows = self._forward(sched, chains)
         if logits is None:
             return RunnerOutput({})
         requests = [sched[i].request for i in rows]
+        if self.fault_hook:
+            self.fault_hook("sampler", [r.request_id for r in requests])
         row_drafts = [drafts.get(r.request_id) for r in requests]
         if not any(row_drafts):
             return self._sample(logits, requests)

@@ -60,6 +60,11 @@ class RunnerOutput:
     num_drafted: dict[str, int] = field(default_factory=dict)  # drafts verified, per request that had any
     num_accepted: dict[str, int] = field(default_factory=dict)
 
+    def merge(self, other: "RunnerOutput") -> None:
+        for mine, theirs in ((self.sampled, other.sampled), (self.logprobs, other.logprobs),
+                             (self.num_drafted, other.num_drafted), (self.num_accepted, other.num_accepted)):
+            mine.update(theirs)
+
 
 def no_drafts(request: Request) -> int:
     return 0

@@ -58,6 +58,7 @@ def make_step_stats(engine, scheduled, result, touched, times: StepTimes) -> Ste
             accepted_per_pos=tuple(per_pos),
             tokens_per_round=tuple(len(result.sampled[r]) for r in result.num_drafted),
             num_paused=sum(engine.policy.is_paused(r) for r in engine.scheduler.requests),
+            num_fallbacks=engine.step_fallbacks,
         )
     sched = engine.scheduler
     return StepStats(
