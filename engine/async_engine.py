@@ -46,6 +46,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Add] = {}
         self._stopping = threading.Event()
+        self._stopped = threading.Event()  # set once the loop has ended; the inbox is then drained by whoever sees it
         self._wakeup = threading.Event()
         self.dead_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
@@ -53,7 +54,7 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self.dead_error is None
+        return self._thread.is_alive() and not self._stopped.is_set() and self.dead_error is None
 
     @property
     def tokenizer(self):
@@ -70,6 +71,8 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         self._inbox.put(_Add(request_id, ids, params, stream, asyncio.get_running_loop()))
         self._wakeup.set()
+        if self._stopped.is_set():  # the loop ended meanwhile: it may not see this request (no hang)
+            self._refuse_inbox()
         return self._iterate(request_id, stream)
 
     async def _iterate(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -112,7 +115,9 @@ class AsyncEngine:
             log.exception("engine loop died")
             self.dead_error = e
         finally:
+            self._stopped.set()
             self._fail_all(EngineDeadError("the engine stopped"))
+            self._refuse_inbox()
 
     def _drain_inbox(self) -> None:
         while True:
@@ -153,9 +158,23 @@ class AsyncEngine:
             del self._streams[out.request_id]
             self.engine.abort_request(out.request_id)
 
+    def _refuse_inbox(self) -> None:
+        """After the loop ended: fail requests still in the inbox (either thread may call this;
+        each message is taken once). Aborts need nothing: their requests were failed already."""
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(msg, _Add):
+                _send(msg, EngineDeadError("the engine stopped"))
+
     def _fail_all(self, error: BaseException) -> None:
         for rid, msg in list(self._streams.items()):
-            self.engine.abort_request(rid)
+            try:
+                self.engine.abort_request(rid)  # frees its blocks, if the engine's state still allows it
+            except Exception:  # noqa: BLE001 - every stream must still get its error
+                log.exception("could not abort %s", rid)
             _send(msg, error)
         self._streams.clear()
 

@@ -83,6 +83,8 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise InvalidParameter("prompt", f"token ids must be in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidParameter("logit_bias", f"keys must be token ids in [0, {vocab})")
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise InvalidParameter(
                 "max_tokens",

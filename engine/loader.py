@@ -57,4 +57,5 @@ def load_model(
         p.data = p.data.to(dtype)
     for name, tensor in _checkpoint_tensors(path):
         model.load_weight(name, tensor)
+    model.prepack()
     return model.eval()

@@ -13,6 +13,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, paged_attention
 from engine.layers.linear import (
     ColumnParallelLinear,
+    PackedLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
@@ -115,6 +116,12 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers[:num_layers]:
             hidden = layer(rope, hidden, meta, kv_cache)
         return self.norm(hidden)
+
+    def prepack(self) -> None:
+        """Weights are final: let the linear layers reorder them for the CPU kernels."""
+        for module in self.modules():
+            if isinstance(module, PackedLinear):
+                module.prepack()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, vocab] in float32."""
