@@ -7,34 +7,50 @@ it is non-anticipating and verification stays exact.
 Cost model, in target decode steps: a round with ``g`` drafts costs
 ``1 + g * (c + v)``, where ``c`` is the drafter's cost per token and ``v`` the
 extra cost of one more token in the verification pass. It emits
-``1 + a + a^2 + ... + a^g`` tokens on average when each draft is accepted
-with probability ``a`` given the ones before were. The policy picks the ``g``
-in ``1..k`` with the best tokens per cost; when even that is below 1 the
-request stops drafting for a while, then retries.
+``1 + a_1 + ... + a_g`` tokens on average, ``a_i`` being the probability that
+the first ``i`` drafts are all accepted (the survival form of the reference;
+acceptance is far from i.i.d. for prompt lookup, where a draft that starts
+right tends to stay right). Each request keeps an estimate of the conditional
+acceptance ``r_i = P(draft i accepted | drafts before it accepted)``, so
+``a_i = r_1 * ... * r_i``. The policy picks the ``g`` in ``1..k`` with the best
+tokens per cost; when even that is below 1 the request stops drafting for a
+while, then retries.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import SpeculativeConfig
 from engine.request import Request
 
 PRIOR_ACCEPTANCE = 0.6  # acceptance assumed before a request has any history
-EMA = 0.3  # weight of the newest round in the acceptance estimate
+EMA = 0.3  # weight of the newest round in each acceptance estimate
 MIN_PAUSE, MAX_PAUSE = 8, 256  # steps a request stops drafting after drafts did not pay
 
 
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """Mean tokens a round emits: ``1 + alpha + ... + alpha^gamma``."""
-    return sum(alpha**i for i in range(gamma + 1))
+def survival(alpha, gamma: int) -> list[float]:
+    """``[a_1 .. a_gamma]``: i.i.d. ``alpha ** i`` for a number, running products
+    of conditional rates for a sequence (entry i: P(draft i+1 accepted | the ones before))."""
+    if isinstance(alpha, (int, float)):
+        return [alpha**i for i in range(1, gamma + 1)]
+    out, a = [], 1.0
+    for r in list(alpha)[:gamma]:
+        a *= r
+        out.append(a)
+    return out
 
 
-def speedup(alpha: float, gamma: int, c: float, v: float = 0.0, parallel: bool = False) -> float:
+def expected_tokens(alpha, gamma: int) -> float:
+    """Mean tokens a round emits: ``1 + a_1 + ... + a_gamma``."""
+    return 1 + sum(survival(alpha, gamma))
+
+
+def speedup(alpha, gamma: int, c: float, v: float = 0.0, parallel: bool = False) -> float:
     """Tokens per target-step of cost: ``expected_tokens / (1 + draft cost + gamma * v)``."""
     draft_cost = c if parallel else gamma * c
     return expected_tokens(alpha, gamma) / (1 + draft_cost + gamma * v)
 
 
-def best_gamma(alpha: float, c: float, max_gamma: int, v: float = 0.0, parallel: bool = False) -> tuple[int, float]:
+def best_gamma(alpha, c: float, max_gamma: int, v: float = 0.0, parallel: bool = False) -> tuple[int, float]:
     """``(gamma, speedup)`` with the best speedup in 1..max_gamma (smallest on ties)."""
     best = (1, speedup(alpha, 1, c, v, parallel))
     for g in range(2, max_gamma + 1):
@@ -48,7 +64,7 @@ def best_gamma(alpha: float, c: float, max_gamma: int, v: float = 0.0, parallel:
 class SpecState:
     """One request's speculation record."""
 
-    alpha: float = PRIOR_ACCEPTANCE
+    rates: list[float] = field(default_factory=list)  # conditional acceptance per draft position
     paused_until: int = 0  # step index before which the request does not draft
     pause_len: int = MIN_PAUSE
     num_drafts: int = 0  # rounds that verified at least one draft
@@ -86,12 +102,14 @@ class SpecPolicy:
         st = self.state(request)
         if self.step < st.paused_until:
             return 0
-        gamma, gain = best_gamma(st.alpha, self.c, k, self.v)
+        if len(st.rates) < k:
+            st.rates.extend([PRIOR_ACCEPTANCE] * (k - len(st.rates)))
+        gamma, gain = best_gamma(st.rates, self.c, k, self.v)
         if gain >= 1.0:
             return gamma
         st.paused_until = self.step + st.pause_len
         st.pause_len = min(2 * st.pause_len, MAX_PAUSE)
-        st.alpha = PRIOR_ACCEPTANCE  # retry with fresh hope once the pause ends
+        st.rates = []  # retry with fresh hope once the pause ends
         return 0
 
     def is_paused(self, request_id: str) -> bool:
@@ -106,8 +124,11 @@ class SpecPolicy:
         st.num_drafts += 1
         st.num_draft_tokens += num_drafted
         st.num_accepted_tokens += num_accepted
+        if len(st.rates) < num_drafted:
+            st.rates.extend([PRIOR_ACCEPTANCE] * (num_drafted - len(st.rates)))
         tested = min(num_accepted + 1, num_drafted)  # positions whose accept test ran
-        st.alpha = (1 - EMA) * st.alpha + EMA * (num_accepted / tested)
+        for i in range(tested):
+            st.rates[i] = (1 - EMA) * st.rates[i] + EMA * (i < num_accepted)
         if num_accepted > 0:
             st.pause_len = MIN_PAUSE
 

@@ -1,0 +1,93 @@
+"""Shared pieces of the benchmarks: prompt sets, chat rendering, reports."""
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("SPECSERVE_SHARED", ROOT.parent / "shared"))
+RESULTS = ROOT / "bench" / "results"
+CHAT_CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
+
+
+def spec_bench(category: str, n: int) -> list[str]:
+    """First turns of the first ``n`` Spec-Bench questions of a category."""
+    path = SHARED / "data" / "spec_bench" / "question.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r["turns"][0] for r in rows if r["category"] == category][:n]
+
+
+def chat_prompts(n: int) -> list[str]:
+    """``n`` MT-Bench style chat prompts, spread over the chat categories."""
+    per = max(1, -(-n // len(CHAT_CATEGORIES)))
+    prompts = [p for c in CHAT_CATEGORIES for p in spec_bench(c, per)]
+    return prompts[:: max(1, len(prompts) // n)][:n]
+
+
+CODE = '''def moving_average(values, window):
+    """Return the moving averages of values over a window."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    result = []
+    total = 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            result.append(total / window)
+    return result
+
+
+def normalize(values):
+    """Scale values to the range 0..1."""
+    low = min(values)
+    high = max(values)
+    if high == low:
+        return [0.0 for _ in values]
+    return [(value - low) / (high - low) for value in values]
+
+
+def summarize(values, window):
+    averages = moving_average(values, window)
+    scaled = normalize(averages)
+    return {"count": len(values), "window": window, "scaled": scaled}
+'''
+
+
+def code_edit_prompt() -> str:
+    """Rewrite a given ~30-line piece of code with one identifier renamed (copy-heavy)."""
+    return (
+        "Rewrite this Python code, renaming the variable `values` to `samples` everywhere. "
+        "Output only the code.\n\n```python\n" + CODE + "```"
+    )
+
+
+def render_chat(tokenizer, text: str) -> list[int]:
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_report(name: str, title: str, body: str, command: str) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.md"
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    path.write_text(f"# {title}\n\n{stamp}; {machine()}\n\nCommand: `{command}`\n\n{body}\n")
+    return path

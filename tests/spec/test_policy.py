@@ -1,0 +1,50 @@
+"""The speculation policy: the reference's formulas, and non-anticipating choices."""
+
+import pytest
+
+from engine.config import SpeculativeConfig
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.spec_policy import SpecPolicy, best_gamma, expected_tokens, speedup, survival
+
+
+def test_reference_numbers():
+    assert expected_tokens(0.8, 2) == pytest.approx(2.44)
+    assert expected_tokens(0.8, 4) == pytest.approx(3.3616)
+    assert speedup(0.8, 4, 0.05) == pytest.approx(3.3616 / 1.2)
+    assert best_gamma(0.8, 0.05, 20)[0] == 8 and best_gamma(0.8, 0.05, 20)[1] == pytest.approx(3.09, abs=0.01)
+    assert best_gamma(0.8, 0.2, 20)[0] == 4 and best_gamma(0.8, 0.2, 20)[1] == pytest.approx(1.87, abs=0.01)
+    assert best_gamma(0.6, 0.05, 20)[0] == 4 and best_gamma(0.6, 0.05, 20)[1] == pytest.approx(1.92, abs=0.01)
+    assert speedup(0.8, 4, 0.05, parallel=True) == pytest.approx(3.3616 / 1.05)
+
+
+def test_survival_of_conditional_rates():
+    assert survival([0.5, 1.0, 0.5], 3) == [0.5, 0.5, 0.25]
+    assert expected_tokens([0.5, 1.0, 0.5], 2) == 2.0
+
+
+def request() -> Request:
+    return Request("r", [1, 2, 3], SamplingParams(), frozenset())
+
+
+def test_copying_raises_the_draft_length_and_misses_pause_drafting():
+    policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=8), draft_cost=0.0, verify_cost=0.05)
+    req = request()
+    first = policy.num_draft_slots(req)
+    for _ in range(10):
+        policy.record(req, 8, 8)
+    assert policy.num_draft_slots(req) == 8 >= first
+    for _ in range(20):
+        policy.record(req, 8, 0)
+        policy.end_step()
+    assert policy.num_draft_slots(req) == 0 and policy.is_paused("r")
+    for _ in range(8):
+        policy.end_step()
+    assert policy.num_draft_slots(req) > 0  # retries after the pause
+
+
+def test_opt_out_and_fixed_length():
+    req = Request("r", [1], SamplingParams(speculate=False), frozenset())
+    assert SpecPolicy(SpeculativeConfig(method="ngram"), 0.0, 0.05).num_draft_slots(req) == 0
+    fixed = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False), 0.0, 9.0)
+    assert fixed.num_draft_slots(request()) == 3
