@@ -143,10 +143,22 @@ class AsyncEngine:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
             log.error("engine step failed: %s", traceback.format_exc())
-            running = list(self.engine.scheduler.running)
-            outputs = self.engine.fail_requests(running, f"internal error: {type(e).__name__}")
+            error = f"internal error: {type(e).__name__}"
+            outputs = self.engine.fail_requests(list(self.engine.scheduler.running), error)
+            outputs += self._lost_in_step(outputs, error)
         for out in outputs:
             self._deliver(out)
+
+    def _lost_in_step(self, failed: list[RequestOutput], error: str) -> list[RequestOutput]:
+        """Requests that ended inside a step that then raised: the engine no longer
+        has them and their last delta was lost, so their streams end with an error."""
+        done = {out.request_id for out in failed}
+        requests = self.engine.scheduler.requests
+        return [
+            RequestOutput(rid, [], "", finished=True, finish_reason="error", error=error)
+            for rid in self._streams
+            if rid not in requests and rid not in done
+        ]
 
     def _deliver(self, out: RequestOutput) -> None:
         msg = self._streams.get(out.request_id)

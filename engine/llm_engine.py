@@ -204,9 +204,12 @@ class LLMEngine:
                     self.drafter.commit(s.request)
             self.policy.end_step()
         if self.stat_loggers:
-            stats = make_step_stats(self, scheduled, result, touched, times)
-            for logger in self.stat_loggers:
-                logger(stats)
+            try:  # metrics must never fail the step: its tokens are already committed
+                stats = make_step_stats(self, scheduled, result, touched, times)
+                for logger in self.stat_loggers:
+                    logger(stats)
+            except Exception:  # noqa: BLE001
+                log.exception("step stats failed; this step is missing from the metrics")
 
     def _delta(self, req: Request) -> RequestOutput:
         """The part of ``req``'s output not yet emitted."""
