@@ -44,7 +44,7 @@ from prometheus_client.registry import Collector
 # The *_created series double the output and carry nothing PromQL needs (vLLM drops them too).
 prometheus_client.disable_created_metrics()
 
-REJECT_REASONS = ("queue_full", "shutting_down", "engine_dead")
+REJECT_REASONS = ("queue_full", "too_many_requests", "shutting_down", "engine_dead")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160, 640)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)

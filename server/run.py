@@ -6,10 +6,16 @@ new requests get a 503, in-flight ones have ``shutdown_timeout`` seconds to
 finish, then they are aborted (streams end with an error event and
 ``[DONE]``, their KV blocks are freed). Uvicorn's own timeout, a few seconds
 longer, is only a backstop; the lifespan then stops the engine.
+
+After a drain the process exits with status 0. (Uvicorn re-raises a caught
+SIGTERM once it has shut down, which would end the process "killed by
+SIGTERM"; it restores the handler that was installed before it started, so
+``run_server`` installs one that turns that re-raise into a normal return.)
 """
 
 import logging
 import math
+import signal
 import socket
 
 import uvicorn
@@ -52,9 +58,23 @@ def build_server(settings: ServerSettings, app: FastAPI | None = None) -> Gracef
     return GracefulServer(config, app, settings.shutdown_timeout)
 
 
+class _Terminated(Exception):
+    """SIGTERM arrived outside uvicorn's own handling (before it started, or re-raised after its drain)."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise _Terminated
+
+
 def run_server(settings: ServerSettings) -> int:
-    """Serve until SIGTERM / SIGINT; returns the process exit status."""
+    """Serve until SIGTERM / SIGINT; returns the process exit status (0 after a SIGTERM drain)."""
     configure_logging(settings.log_level, settings.log_format)
     server = build_server(settings)
-    server.run()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        server.run()
+    except _Terminated:
+        log.info("terminated")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0 if server.started else 3  # 3: uvicorn's "startup failed"

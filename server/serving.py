@@ -13,9 +13,15 @@ so its KV blocks are freed at the engine's next step, and reports metrics and
 the one log line of the request. Graceful shutdown uses ``abort_all``, which
 aborts without closing, so the streams still end with an error event.
 
-Admission rule (the engine's scheduler does not bound its waiting queue yet):
+Admission rules (the engine's scheduler does not bound its waiting queue yet):
 ``pending`` counts engine requests submitted that have produced no output; a
-request that would push it above ``max_waiting`` gets a 503 with Retry-After.
+request that would push it above ``max_waiting`` gets a 503 with Retry-After,
+and so does one that would make more than ``max_concurrent_requests`` HTTP
+requests live at once.
+
+Time limit: with ``max_request_seconds`` set, a generation still live after that
+long is aborted; it ends like a shutdown abort, with a 504 ``request_timeout``
+error (an error event and ``[DONE]`` when streaming).
 """
 
 import asyncio
@@ -58,11 +64,12 @@ class Generation:
         self.serving = serving
         self.request_id = request_id
         self.choices = choices
-        self.abort_reason: str | None = None  # "disconnect" | "shutdown" once aborted
+        self.abort_reason: str | None = None  # "disconnect" | "shutdown" | "timeout" once aborted
         self.closed = False
         self._streams: list[AsyncIterator[RequestOutput]] = []
         self._tasks: list[asyncio.Task] = []
         self._watcher: asyncio.Task | None = None
+        self._deadline: asyncio.TimerHandle | None = None
         self._queue: asyncio.Queue = asyncio.Queue()  # (choice index, delta | exception | _END | _CLOSED)
         self.created = time.monotonic()
 
@@ -94,6 +101,8 @@ class Generation:
     def _closed_error(self) -> Exception:
         if self.abort_reason == "disconnect":
             return ClientGone()
+        if self.abort_reason == "timeout":
+            return self._timeout_error()
         return APIError(500, "the request was closed before it finished", code="aborted")
 
     def _check_finish(self, out: RequestOutput) -> None:
@@ -104,7 +113,22 @@ class Generation:
                 raise APIError(503, "the server is shutting down", code="shutting_down")
             if self.abort_reason == "disconnect":
                 raise ClientGone()
+            if self.abort_reason == "timeout":
+                raise self._timeout_error()
             raise APIError(500, "the request was aborted", code="aborted")
+
+    def _timeout_error(self) -> APIError:
+        limit = self.serving.settings.max_request_seconds
+        return APIError(504, f"the request took longer than the server's limit of {limit} s", code="request_timeout")
+
+    def set_deadline(self, seconds: float) -> None:
+        """Abort this generation if it is still live ``seconds`` from now."""
+        self._deadline = asyncio.get_running_loop().call_later(seconds, self._expire)
+
+    def _expire(self) -> None:
+        if not self.closed:
+            log.warning("request time limit passed; aborting", extra={"fields": {"id": self.request_id}})
+            self.abort("timeout")
 
     def watch_disconnect(self, receive: Callable) -> None:
         """Close this generation the moment the client disconnects."""
@@ -129,6 +153,8 @@ class Generation:
             t.cancel()
         if self._watcher is not None and self._watcher is not asyncio.current_task():
             self._watcher.cancel()
+        if self._deadline is not None:
+            self._deadline.cancel()
         self.serving._on_closed(self)
 
 
@@ -206,6 +232,8 @@ class ServingEngine:
         gen = Generation(self, request_id, choices)
         self.live[request_id] = gen
         self.pending += len(choices)
+        if self.settings.max_request_seconds is not None:
+            gen.set_deadline(self.settings.max_request_seconds)
         try:
             for c in choices:
                 gen._streams.append(await self.engine.add_request(c.engine_id, c.prompt_token_ids, c.params))
@@ -226,6 +254,15 @@ class ServingEngine:
         if not self.engine.is_running:
             self.metrics.on_rejected("engine_dead")
             raise APIError(503, "the engine is not running", code="engine_dead")
+        concurrent = self.settings.max_concurrent_requests
+        if concurrent is not None and len(self.live) >= concurrent:
+            self.metrics.on_rejected("too_many_requests")
+            raise APIError(
+                503,
+                f"the server is busy: {len(self.live)} requests are in flight",
+                code="too_many_requests",
+                headers={"Retry-After": "1"},
+            )
         if self.pending + num_new > limit:
             self.metrics.on_rejected("queue_full")
             raise APIError(

@@ -44,6 +44,15 @@ class ServerSettings(BaseSettings):
     max_num_seqs: int = Field(64, gt=0, description="requests running at once")
     max_num_batched_tokens: int = Field(512, gt=0, description="tokens computed per engine step")
     max_waiting: int = Field(1024, gt=0, description="queued requests beyond which new ones get a 503")
+    max_concurrent_requests: int | None = Field(
+        None, gt=0, description="HTTP generation requests in flight beyond which new ones get a 503 (default: no limit)"
+    )
+    max_request_seconds: float | None = Field(
+        None,
+        gt=0,
+        description="a generation request still running after this many seconds is aborted and ends with a "
+        "request_timeout error (default: no limit)",
+    )
     # -- HTTP --
     host: str = Field("0.0.0.0", description="address to listen on")
     port: int = Field(8000, ge=0, lt=65536, description="port to listen on")
