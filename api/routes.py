@@ -8,28 +8,57 @@ from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from api.errors import APIError
-from api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from api.openapi import error_responses
+from api.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
 
 router = APIRouter()
+
+# A stream is "text/event-stream": data lines of chunks, then "data: [DONE]".
+_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+_GENERATION_ERRORS = error_responses(400, 401, 404, 413, 500, 503, 504)
+
+
+class HealthStatus(BaseModel):
+    status: str
+
+
+class VersionInfo(BaseModel):
+    version: str
 
 
 def _state(request: Request):
     return request.app.state.specserve
 
 
-@router.post("/v1/completions")
+@router.post(
+    "/v1/completions",
+    response_model=None,
+    responses={200: {"model": CompletionResponse, "content": _SSE}, **_GENERATION_ERRORS},
+)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     return await _state(request).completions.create(body, request)
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    response_model=None,
+    responses={200: {"model": ChatCompletionResponse, "content": _SSE}, **_GENERATION_ERRORS},
+)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     return await _state(request).chat.create(body, request)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **error_responses(401)})
 async def list_models(request: Request) -> JSONResponse:
     serving = _state(request).serving
     cards = [
@@ -39,7 +68,7 @@ async def list_models(request: Request) -> JSONResponse:
     return JSONResponse(ModelList(data=cards).model_dump())
 
 
-@router.get("/health")
+@router.get("/health", response_model=None, responses={200: {"model": HealthStatus}, **error_responses(503)})
 async def health(request: Request) -> JSONResponse:
     """200 while the engine runs and the server takes requests; 503 when dead or draining."""
     serving = _state(request).serving
@@ -50,7 +79,7 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/version")
+@router.get("/version", response_model=None, responses={200: {"model": VersionInfo}})
 async def show_version() -> JSONResponse:
     try:
         v = version("specserve")
@@ -59,7 +88,14 @@ async def show_version() -> JSONResponse:
     return JSONResponse({"version": v})
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_model=None,
+    responses={
+        200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **error_responses(401),
+    },
+)
 async def metrics(request: Request) -> Response:
     body, content_type = _state(request).serving.metrics.render()
     return Response(content=body, media_type=content_type)

@@ -10,10 +10,13 @@ import asyncio
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from api.errors import install_error_handlers
+from api.openapi import install_openapi
 from api.routes import router
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
@@ -24,6 +27,13 @@ from server.serving_completion import CompletionServing
 from server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
+
+
+def _version() -> str:
+    try:
+        return version("specserve")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 @dataclass(frozen=True)
@@ -62,11 +72,22 @@ def create_app(settings: ServerSettings | None = None, llm_engine: LLMEngine | N
             llm.stat_loggers.remove(on_step)
             log.info("engine stopped", extra={"fields": {"aborted": aborted}})
 
-    app = FastAPI(title="specserve", lifespan=lifespan)
+    app = FastAPI(title="specserve", version=_version(), lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(router)
+    protected = (("/v1", "/metrics") if settings.protect_metrics else ("/v1",)) if settings.api_key else ()
+    install_openapi(app, protected)
     # add_middleware puts each new one outside the previous ones.
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_body_bytes)
-    app.add_middleware(BearerAuth, api_key=settings.api_key.get_secret_value() if settings.api_key else None)
+    key = settings.api_key.get_secret_value() if settings.api_key else None
+    app.add_middleware(BearerAuth, api_key=key, protect_metrics=settings.protect_metrics)
+    if settings.allowed_origins:  # CORS is off unless origins are configured
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.allowed_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+            expose_headers=["X-Request-Id", "Retry-After"],
+        )
     app.add_middleware(RequestContext, log_requests=not settings.disable_log_requests)
     return app

@@ -1,7 +1,8 @@
 """Pure ASGI middleware (no BaseHTTPMiddleware: it would buffer streams).
 
-Outermost first: ``RequestContext`` (request id, access log line),
-``BearerAuth`` (401 on /v1/* without the key), ``BodyLimit`` (413 past the limit).
+Outermost first: ``RequestContext`` (request id, access log line), Starlette's
+``CORSMiddleware`` (only with ``--allowed-origins``), ``BearerAuth`` (401 on
+/v1/* without the key), ``BodyLimit`` (413 past the limit).
 """
 
 import hmac
@@ -66,14 +67,20 @@ class RequestContext:
 
 
 class BearerAuth:
-    """With an API key set, /v1/* needs ``Authorization: Bearer <key>`` (compared in constant time)."""
+    """With an API key set, every path under /v1 needs ``Authorization: Bearer <key>``
+    (compared in constant time), and so does /metrics with ``protect_metrics``.
+    The key is never logged; a refused request's log line has only its path and status."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None):
+    def __init__(self, app: ASGIApp, api_key: str | None, protect_metrics: bool = False):
         self.app = app
         self.key = api_key.encode() if api_key else None
+        self.protect_metrics = protect_metrics
+
+    def _protected(self, path: str) -> bool:
+        return path.startswith("/v1") or (self.protect_metrics and path.startswith("/metrics"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.key is None or scope["type"] != "http" or not scope["path"].startswith("/v1"):
+        if self.key is None or scope["type"] != "http" or not self._protected(scope["path"]):
             return await self.app(scope, receive, send)
         auth = _header(scope, b"authorization") or b""
         scheme, _, token = auth.partition(b" ")

@@ -9,7 +9,7 @@ Each component gets only its slice: the engine an ``EngineConfig``
 
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
@@ -57,6 +57,10 @@ class ServerSettings(BaseSettings):
     host: str = Field("0.0.0.0", description="address to listen on")
     port: int = Field(8000, ge=0, lt=65536, description="port to listen on")
     api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer <key>' on /v1/*")
+    protect_metrics: bool = Field(False, description="with --api-key, /metrics requires the key too")
+    allowed_origins: Annotated[list[str] | None, NoDecode] = Field(
+        None, description="CORS: origins browsers may call from, comma-separated or '*' (default: CORS off)"
+    )
     max_request_body_bytes: int = Field(4 << 20, gt=0, description="larger request bodies get a 413")
     max_n: int = Field(16, gt=0, description="largest n (choices per prompt) a request may ask for")
     shutdown_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests get to finish after SIGTERM")
@@ -65,7 +69,7 @@ class ServerSettings(BaseSettings):
     log_format: Literal["text", "json"] = Field("text", description="text (key=value) or one JSON object per line")
     disable_log_requests: bool = Field(False, description="do not log one line per request")
 
-    @field_validator("served_model_name", mode="before")
+    @field_validator("served_model_name", "allowed_origins", mode="before")
     @classmethod
     def _split_names(cls, v):
         if isinstance(v, str):
@@ -77,6 +81,12 @@ class ServerSettings(BaseSettings):
     def _check_speculative(cls, v):
         SpeculativeConfig.from_dict(v)  # raises ValueError with the offending keys
         return v
+
+    @model_validator(mode="after")
+    def _check_protect_metrics(self):
+        if self.protect_metrics and self.api_key is None:
+            raise ValueError("protect_metrics needs an api_key")
+        return self
 
     @property
     def model_names(self) -> list[str]:

@@ -50,7 +50,8 @@ def test_requests_in_flight_beyond_the_limit_get_503(rel_engine):
             r = c.post("/v1/completions", json=SHORT)
             assert r.status_code == 200
             metrics = c.get("/metrics").text
-    assert 'specserve_request_rejected_total{model_name="SmolLM2-135M-Instruct",reason="too_many_requests"} 1.0' in metrics
+    rejected = 'specserve_request_rejected_total{model_name="SmolLM2-135M-Instruct",reason="too_many_requests"} 1.0'
+    assert rejected in metrics
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
