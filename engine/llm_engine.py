@@ -129,14 +129,14 @@ class LLMEngine:
             sc, target=self.model, tokenizer=self.tokenizer, num_blocks=num_blocks,
             block_size=spec.block_size, dtype=dtype, device=device,
         )
-        verify_cost = sc.verify_cost
-        if verify_cost is None:
-            verify_cost = measure_verify_cost(
+        fixed, per_token = 0.0, sc.verify_cost
+        if per_token is None:
+            fixed, per_token = measure_verify_cost(
                 self.model, self.runner, sc.num_speculative_tokens, spec.block_size, self.max_model_len
             )
-        log.info("speculation: %s, k=%d, draft cost %.3f, verify cost %.3f per token",
-                 sc.method, sc.num_speculative_tokens, drafter.cost_per_token, verify_cost)
-        return drafter, SpecPolicy(sc, drafter.cost_per_token, verify_cost)
+        log.info("speculation: %s, k=%d, draft cost %.3f per token, verify cost %.3f + %.3f per token",
+                 sc.method, sc.num_speculative_tokens, drafter.cost_per_token, fixed, per_token)
+        return drafter, SpecPolicy(sc, drafter.cost_per_token, per_token, fixed)
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()

@@ -5,8 +5,10 @@ past acceptance, the measured costs), never the drafted tokens themselves, so
 it is non-anticipating and verification stays exact.
 
 Cost model, in target decode steps: a round with ``g`` drafts costs
-``1 + g * (c + v)``, where ``c`` is the drafter's cost per token and ``v`` the
-extra cost of one more token in the verification pass. It emits
+``1 + f + g * (c + v)``, where ``c`` is the drafter's cost per token, ``v`` the
+extra cost of one more token in the verification pass and ``f`` the fixed
+extra cost of verifying at all (measured at start-up: on a CPU a pass over two
+tokens costs noticeably more than over one). It emits
 ``1 + a_1 + ... + a_g`` tokens on average, ``a_i`` being the probability that
 the first ``i`` drafts are all accepted (the survival form of the reference;
 acceptance is far from i.i.d. for prompt lookup, where a draft that starts
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from engine.config import SpeculativeConfig
 from engine.request import Request
 
-PRIOR_ACCEPTANCE = 0.6  # acceptance assumed before a request has any history
+PRIOR_ACCEPTANCE = 0.5  # acceptance assumed before a request has any history
 EMA = 0.3  # weight of the newest round in each acceptance estimate
 MIN_PAUSE, MAX_PAUSE = 8, 256  # steps a request stops drafting after drafts did not pay
 
@@ -44,17 +46,19 @@ def expected_tokens(alpha, gamma: int) -> float:
     return 1 + sum(survival(alpha, gamma))
 
 
-def speedup(alpha, gamma: int, c: float, v: float = 0.0, parallel: bool = False) -> float:
-    """Tokens per target-step of cost: ``expected_tokens / (1 + draft cost + gamma * v)``."""
+def speedup(alpha, gamma: int, c: float, v: float = 0.0, parallel: bool = False, fixed: float = 0.0) -> float:
+    """Tokens per target-step of cost: ``expected_tokens / (1 + fixed + draft cost + gamma * v)``."""
     draft_cost = c if parallel else gamma * c
-    return expected_tokens(alpha, gamma) / (1 + draft_cost + gamma * v)
+    return expected_tokens(alpha, gamma) / (1 + fixed + draft_cost + gamma * v)
 
 
-def best_gamma(alpha, c: float, max_gamma: int, v: float = 0.0, parallel: bool = False) -> tuple[int, float]:
+def best_gamma(
+    alpha, c: float, max_gamma: int, v: float = 0.0, parallel: bool = False, fixed: float = 0.0
+) -> tuple[int, float]:
     """``(gamma, speedup)`` with the best speedup in 1..max_gamma (smallest on ties)."""
-    best = (1, speedup(alpha, 1, c, v, parallel))
+    best = (1, speedup(alpha, 1, c, v, parallel, fixed))
     for g in range(2, max_gamma + 1):
-        s = speedup(alpha, g, c, v, parallel)
+        s = speedup(alpha, g, c, v, parallel, fixed)
         if s > best[1] + 1e-12:
             best = (g, s)
     return best
@@ -82,10 +86,11 @@ class SpecState:
 
 
 class SpecPolicy:
-    def __init__(self, config: SpeculativeConfig, draft_cost: float, verify_cost: float):
+    def __init__(self, config: SpeculativeConfig, draft_cost: float, verify_cost: float, fixed_cost: float = 0.0):
         self.config = config
         self.c = draft_cost
         self.v = verify_cost
+        self.f = fixed_cost
         self.step = 0
         self.states: dict[str, SpecState] = {}
 
@@ -104,7 +109,7 @@ class SpecPolicy:
             return 0
         if len(st.rates) < k:
             st.rates.extend([PRIOR_ACCEPTANCE] * (k - len(st.rates)))
-        gamma, gain = best_gamma(st.rates, self.c, k, self.v)
+        gamma, gain = best_gamma(st.rates, self.c, k, self.v, fixed=self.f)
         if gain >= 1.0:
             return gamma
         st.paused_until = self.step + st.pause_len

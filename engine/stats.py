@@ -34,12 +34,18 @@ class StepStats:
     num_waiting: int
     kv_usage: float
     num_preemptions_total: int
-    num_scheduled_tokens: int
+    num_scheduled_tokens: int  # committed tokens computed (prompt chunks + last tokens), drafts not counted
+    num_scheduled_requests: int
     num_generated_tokens: int
     finished: tuple = ()  # (request_id, finish_reason) ended this step
     first_token_times: tuple[tuple[float, float], ...] = ()  # (queue s, prefill s) of first tokens this step
     spec: SpecStepStats | None = None
     extra: dict = field(default_factory=dict)
+
+    @property
+    def is_decode_only(self) -> bool:
+        """No prompt token was computed: every request decoded (and verified drafts)."""
+        return self.num_scheduled_tokens == self.num_scheduled_requests
 
 
 def make_step_stats(engine, scheduled, result, touched, times: StepTimes) -> StepStats:
@@ -67,6 +73,7 @@ def make_step_stats(engine, scheduled, result, touched, times: StepTimes) -> Ste
         kv_usage=engine.kv_manager.usage(),
         num_preemptions_total=sched.num_preemptions,
         num_scheduled_tokens=scheduled.num_tokens,
+        num_scheduled_requests=len(scheduled.scheduled),
         num_generated_tokens=sum(len(v) for v in result.sampled.values()),
         finished=tuple((r.request_id, r.finish_reason) for r in touched if r.is_finished),
         first_token_times=tuple(
@@ -79,11 +86,13 @@ def make_step_stats(engine, scheduled, result, touched, times: StepTimes) -> Ste
 
 
 @torch.inference_mode()
-def measure_verify_cost(model, runner, k: int, block_size: int, max_len: int, repeats: int = 8) -> float:
-    """Extra cost of one more token in a target pass, in plain decode steps.
+def measure_verify_cost(model, runner, k: int, block_size: int, max_len: int, repeats: int = 8) -> tuple[float, float]:
+    """Cost of a verification pass beyond a plain decode step, in decode steps:
+    ``(fixed, per_token)``, so that a pass over 1 + g tokens costs ``1 + fixed + g * per_token``.
 
-    Times a pass over 1 token and over 1 + k tokens after ``context`` tokens,
-    at batch 1, in the (still empty) KV cache. Call before serving.
+    Times passes over 1, 2 and 1 + k tokens after 64 tokens of context, at
+    batch 1, with logits for every row as verification needs, in the (still
+    empty) KV cache. Call before serving.
     """
     device = runner.device
     context = max(1, min(64, max_len - k - 1))
@@ -94,11 +103,13 @@ def measure_verify_cost(model, runner, k: int, block_size: int, max_len: int, re
         meta = build_attention_metadata([SeqSpec(start, n, blocks)], block_size, device)
         pos = torch.arange(start, start + n, device=device)
         t = time.perf_counter()
-        model.compute_logits(model(ids[start : start + n], pos, meta, runner.kv)[-1:])
+        model.compute_logits(model(ids[start : start + n], pos, meta, runner.kv)).softmax(-1)
         return time.perf_counter() - t
 
     run(0, context)
     # Interleaved, and the minimum of each: robust to other work on a shared machine.
-    times = [(run(context, 1), run(context, 1 + k)) for _ in range(repeats)]
-    one, many = min(t[0] for t in times), min(t[1] for t in times)
-    return max(0.0, (many - one) / (k * one))
+    times = [(run(context, 1), run(context, 2), run(context, 1 + k)) for _ in range(repeats)]
+    one, two, many = (min(t[i] for t in times) for i in range(3))
+    per_token = max(0.0, (many - two) / ((k - 1) * one)) if k > 1 else max(0.0, (two - one) / one)
+    fixed = max(0.0, (two - one) / one - per_token)
+    return fixed, per_token

@@ -226,11 +226,17 @@ class StepMetrics:
         self.tokens_per_round = histogram(
             "specserve_spec_decode_tokens_per_round", "Tokens emitted by one drafting round (accepted + 1).", rounds
         )
+        self.decode_step_time = histogram(
+            "specserve_decode_step_time_seconds",
+            "Duration of engine steps that computed no prompt token (decoding and verification only).",
+            STEP_TIME_BUCKETS,
+        )
         self.draft_time = histogram(
-            "specserve_spec_decode_draft_time_seconds", "Scheduling and drafting time per step.", STEP_TIME_BUCKETS
+            "specserve_spec_decode_draft_time_seconds", "Scheduling and drafting time per decode step.", STEP_TIME_BUCKETS
         )
         self.verify_time = histogram(
-            "specserve_spec_decode_verify_time_seconds", "Target pass and verification time per step.", STEP_TIME_BUCKETS
+            "specserve_spec_decode_verify_time_seconds", "Target pass and verification time per decode step.",
+            STEP_TIME_BUCKETS,
         )
         self.paused = Gauge(
             "specserve_spec_decode_num_paused_requests", "Requests whose drafting is paused (drafts did not pay).",
@@ -242,11 +248,14 @@ class StepMetrics:
         for queue_s, prefill_s in stats.first_token_times:
             self.queue.observe(queue_s)
             self.prefill.observe(prefill_s)
+        if stats.is_decode_only:
+            self.decode_step_time.observe(stats.times.step_s)
         spec = stats.spec
         if spec is None:
             return
-        self.draft_time.observe(stats.times.draft_s)
-        self.verify_time.observe(stats.times.execute_s)
+        if stats.is_decode_only:
+            self.draft_time.observe(stats.times.draft_s)
+            self.verify_time.observe(stats.times.execute_s)
         self.paused.set(spec.num_paused)
         self.fallbacks.inc(spec.num_fallbacks)
         if not spec.num_drafts:

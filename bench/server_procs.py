@@ -1,0 +1,90 @@
+"""Running ``specserve serve`` subprocesses on loopback ports for benchmarks."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve(extra_args: list[str], log_path: str, timeout: float = 300):
+    """A ``specserve serve`` on 127.0.0.1; yields its base URL; terminates it on exit."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *extra_args]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"server did not start; see {log_path}")
+                time.sleep(0.5)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def scrape(url: str) -> dict[tuple, float]:
+    """Every sample of /metrics as ``{(name, frozenset(labels)): value}``."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    want = set(labels.items())
+    return sum(v for (n, lab), v in samples.items() if n == name and want <= lab)
+
+
+def stream_chat(url: str, prompt: str, max_tokens: int, **extra) -> dict:
+    """One streamed chat completion; client-side timings and the usage block."""
+    body = {
+        "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True}, **extra,
+    }
+    t0 = time.perf_counter()
+    first = None
+    usage, text = None, []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for c in chunk.get("choices", []):
+                piece = c.get("delta", {}).get("content")
+                if piece:
+                    first = first or time.perf_counter()
+                    text.append(piece)
+    end = time.perf_counter()
+    return {"total_s": end - t0, "ttft_s": (first or end) - t0, "decode_s": end - (first or end), "usage": usage,
+            "text": "".join(text)}

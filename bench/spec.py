@@ -1,0 +1,187 @@
+"""Speculative decoding per Spec-Bench category: plain vs ngram vs early_exit.
+
+    .venv/bin/python -m bench.spec [--prompts 2] [--max-tokens 256]
+
+Three ``specserve serve`` processes on loopback (one per method, all fp32 on
+the CPU, batch 1) answer the same prompts in turn, prompt by prompt, so that the
+ratios are measured side by side. Acceptance figures come from each server's
+/metrics (the counters the Grafana dashboard reads), as deltas per category.
+
+Columns: end-to-end tokens/s (prompt processing included) and its speedup over
+plain; mean acceptance length (1 + accepted / drafting rounds); acceptance by
+draft position (share of rounds whose first i drafts were all accepted); the
+measured decode-phase speedup against the ideal one from the reference's
+formula, ``S = n / (g c + V)`` per decode step, with the measured acceptance
+(n tokens per step), the measured drafting cost ``g c`` and verification
+cost ``V``, both in units of the plain server's mean decode step.
+Writes bench/results/spec.md and spec.png.
+"""
+
+import argparse
+import json
+from collections import defaultdict
+
+from bench.common import RESULTS, code_edit_prompt, markdown_table, spec_bench, write_report
+from bench.server_procs import metric, scrape, serve, stream_chat
+
+METHODS = {
+    "plain": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 10},
+    "early_exit": {"method": "early_exit", "num_speculative_tokens": 3, "num_layers": 8},
+}
+MT_BENCH = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
+
+
+def categories(n: int) -> dict[str, list[str]]:
+    cats = {"code-edit": [code_edit_prompt()]}
+    for c in ("summarization", "rag", "translation", "qa", "math_reasoning"):
+        cats[c] = spec_bench(c, n)
+    cats["mt-bench"] = [p for c in MT_BENCH for p in spec_bench(c, 1)][: max(n, 4)]
+    return cats
+
+
+SPEC_COUNTERS = {
+    "drafts": "specserve_spec_decode_num_drafts_total",
+    "draft_tokens": "specserve_spec_decode_num_draft_tokens_total",
+    "accepted": "specserve_spec_decode_num_accepted_tokens_total",
+    "steps": "specserve_decode_step_time_seconds_count",
+    "step_s": "specserve_decode_step_time_seconds_sum",
+    "draft_s": "specserve_spec_decode_draft_time_seconds_sum",
+    "verify_s": "specserve_spec_decode_verify_time_seconds_sum",
+}
+
+
+def snapshot(url: str, k: int) -> dict:
+    samples = scrape(url)
+    snap = {key: metric(samples, name) for key, name in SPEC_COUNTERS.items()}
+    snap["per_pos"] = [
+        metric(samples, "specserve_spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(k)
+    ]
+    return snap
+
+
+def delta(after: dict, before: dict) -> dict:
+    d = {k: after[k] - before[k] for k in SPEC_COUNTERS}
+    d["per_pos"] = [a - b for a, b in zip(after["per_pos"], before["per_pos"])]
+    return d
+
+
+def run(args) -> dict:
+    cats = categories(args.prompts)
+    k_max = max((m or {}).get("num_speculative_tokens", 0) for m in METHODS.values())
+    results: dict = defaultdict(dict)  # [category][method] -> figures
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        urls = {}
+        for name, spec in METHODS.items():
+            extra = ["--max-model-len", "4096", "--kv-cache-memory-bytes", str(512 << 20)]
+            if spec:
+                extra += ["--speculative-config", json.dumps(spec)]
+            urls[name] = stack.enter_context(serve(extra, str(RESULTS / f"spec-server-{name}.log")))
+        for url in urls.values():  # warm-up: first-call costs stay out of the figures
+            stream_chat(url, "Say hello.", 16)
+        for cat, prompts in cats.items():
+            before = {m: snapshot(u, k_max) for m, u in urls.items()}
+            runs = defaultdict(list)
+            for prompt in prompts:
+                for m, u in urls.items():
+                    runs[m].append(stream_chat(u, prompt, args.max_tokens))
+            for m, u in urls.items():
+                results[cat][m] = {"runs": runs[m], "metrics": delta(snapshot(u, k_max), before[m])}
+            print(cat, summarize_category(results[cat])[0], flush=True)
+    return results
+
+
+def summarize_category(by_method: dict) -> tuple[list[list], dict]:
+    """Table rows for one category, and per-position acceptance per method."""
+    plain = by_method["plain"]
+    plain_step = plain["metrics"]["step_s"] / max(plain["metrics"]["steps"], 1)
+    e2e = {m: _rate(r["runs"], "total_s", 0) for m, r in by_method.items()}
+    dec = {m: _rate(r["runs"], "decode_s", 1) for m, r in by_method.items()}
+    rows, per_pos = [], {}
+    for m, r in by_method.items():
+        x = r["metrics"]
+        tokens = sum(run["usage"]["completion_tokens"] for run in r["runs"])
+        row = [m, tokens, e2e[m], e2e[m] / e2e["plain"]]
+        if m == "plain" or not x["drafts"]:
+            rows.append(row + ["-", "-", dec[m] / dec["plain"], "-", "-"])
+            continue
+        steps = max(x["steps"], 1)
+        n_step = (steps + x["accepted"]) / steps  # tokens per decode step
+        cost = (x["draft_s"] + x["verify_s"]) / steps / plain_step  # g c + V, in plain decode steps
+        ideal = n_step / cost
+        per_pos[m] = [p / x["drafts"] for p in x["per_pos"] if True][: _k(x)]
+        pos = " ".join(f"{a:.2f}" for a in per_pos[m])
+        rows.append(row + [1 + x["accepted"] / x["drafts"], pos, dec[m] / dec["plain"], ideal,
+                           f"{x['draft_s'] / steps / plain_step:.2f} + {x['verify_s'] / steps / plain_step:.2f}"])
+    return rows, per_pos
+
+
+def _k(x: dict) -> int:
+    return max((i + 1 for i, p in enumerate(x["per_pos"]) if p > 0), default=0)
+
+
+def _rate(runs: list[dict], key: str, minus: int) -> float:
+    tokens = sum(r["usage"]["completion_tokens"] - minus for r in runs)
+    return tokens / max(sum(r[key] for r in runs), 1e-9)
+
+
+def report(results: dict, args) -> None:
+    header = ["category", "method", "tokens", "tok/s (e2e)", "speedup", "mean acc. length",
+              "acceptance by position", "decode speedup", "ideal (formula)", "cost g·c + V"]
+    rows, per_pos_all = [], {}
+    for cat, by_method in results.items():
+        cat_rows, per_pos = summarize_category(by_method)
+        rows += [[cat] + r for r in cat_rows]
+        per_pos_all[cat] = per_pos
+    body = markdown_table(header, rows)
+    body += ("\n\nSpeedups are against plain decoding on the same prompts in the same run; "
+             "`ideal` is the reference's S = n / (g c + V) with the measured tokens per decode step n and "
+             "the measured per-step drafting and verification costs (in plain decode steps).")
+    cmd = f"python -m bench.spec --prompts {args.prompts} --max-tokens {args.max_tokens}"
+    write_report("spec", "Speculative decoding by Spec-Bench category (batch 1, greedy)", body, cmd)
+    plot(results, per_pos_all)
+
+
+def plot(results: dict, per_pos_all: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cats = list(results)
+    methods = [m for m in METHODS if m != "plain"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / len(methods)
+    for j, m in enumerate(methods):
+        speed = [summarize_category(results[c])[0][list(METHODS).index(m)][3] for c in cats]
+        a.bar([i + j * width for i in range(len(cats))], speed, width, label=m)
+    a.axhline(1.0, color="k", lw=0.8)
+    a.set_xticks([i + width / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
+    a.set_ylabel("speedup over plain (end to end)")
+    a.legend()
+    for c in cats:
+        if "ngram" in per_pos_all[c]:
+            p = per_pos_all[c]["ngram"]
+            b.plot(range(1, len(p) + 1), p, "o-", label=c)
+    b.set_xlabel("draft position")
+    b.set_ylabel("share of rounds accepting up to it")
+    b.set_title("ngram acceptance by position")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "spec.png", dpi=100)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per category")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    args = ap.parse_args()
+    results = run(args)
+    (RESULTS / "spec.json").write_text(json.dumps(results, default=str))
+    report(results, args)
+
+
+if __name__ == "__main__":
+    main()
