@@ -73,6 +73,8 @@ def from_validation_error(exc: RequestValidationError, content_type: str = "appl
     """FastAPI's 422 as a 400: the first problem, with its top-level field as ``param``."""
     errors = exc.errors()
     first = errors[0] if errors else {}
+    if first.get("type") == "invalid_unicode":
+        return bad_request(first["msg"], param=first["ctx"]["param"], code="invalid_unicode")
     if first.get("type") == "json_invalid":
         return bad_request(f"the body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]

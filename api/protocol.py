@@ -14,13 +14,36 @@ except in a chat stream ``delta``, whose unset fields are left out.
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic_core import PydanticCustomError
 
 # ---- requests ----
 
 # Integers the engine turns into int64 tensors or torch seeds: larger ones would
 # fail inside an engine step (taking the whole batch down), so they stop here.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# A prompt token id: a JSON integer, never a bool or a float that happens to be whole.
+TokenId = Annotated[int, Field(strict=True, ge=-(2**63), le=2**63 - 1)]
+
+
+def lone_surrogate_at(data: Any) -> str | None:
+    """The path ("messages.0.content") of the first string in ``data`` holding a lone
+    UTF-16 surrogate (JSON can escape one, "\\ud800"; it is not Unicode text and
+    cannot be encoded as UTF-8), or None. Iterative: nesting depth does not matter."""
+    todo: list[tuple[Any, tuple]] = [(data, ())]
+    while todo:
+        value, path = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return ".".join(map(str, path)) or "body"
+        elif isinstance(value, dict):
+            todo.extend((v, (*path, k)) for k, v in value.items())
+            todo.extend((k, (*path, k)) for k in value if isinstance(k, str))
+        elif isinstance(value, list):
+            todo.extend((v, (*path, i)) for i, v in enumerate(value))
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -58,13 +81,25 @@ class SamplingRequest(BaseModel):
     # specserve: false opts this request out of speculative decoding.
     speculative_decoding: bool | None = True
 
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = lone_surrogate_at(data)
+        if where is not None:
+            raise PydanticCustomError(
+                "invalid_unicode",
+                "'{where}' is not valid Unicode text (it holds a lone surrogate)",
+                {"where": where, "param": where.split(".")[0]},
+            )
+        return data
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool | None = False
     logprobs: Int64 | None = None
     best_of: Int64 | None = None

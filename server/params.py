@@ -24,12 +24,17 @@ def check_n(n: int | None, max_n: int) -> int:
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """Keys are token ids written in ASCII digits ("50256"); Python's ``int`` would also
+    take " 1", "1_0" or other scripts' digits, which OpenAI refuses."""
     if not bias:
         return None
-    try:
-        return {int(k): float(v) for k, v in bias.items()}
-    except ValueError:
-        raise bad_request("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
+    bad = next((k for k in bias if not (k.isascii() and k.isdigit())), None)
+    if bad is not None:
+        raise bad_request(
+            f"logit_bias keys must be token ids (non-negative integers as strings), got {bad[:40]!r}",
+            param="logit_bias",
+        )
+    return {int(k): float(v) for k, v in bias.items()}
 
 
 def build_params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
