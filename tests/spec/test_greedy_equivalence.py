@@ -88,10 +88,16 @@ def small_draft_model(default_engine, tmp_path_factory) -> Path:
     return out
 
 
+# Model drafters rarely pay on this model, so the adaptive policy would stop them drafting;
+# exactness is what is tested here, so they draft every step.
 SPECS = {
-    "ngram": lambda _: SpeculativeConfig(method="ngram", num_speculative_tokens=6),
-    "early_exit": lambda _: SpeculativeConfig(method="early_exit", num_speculative_tokens=3, num_layers=10),
-    "draft_model": lambda path: SpeculativeConfig(method="draft_model", num_speculative_tokens=3, model=str(path)),
+    "ngram": lambda _: SpeculativeConfig(method="ngram", num_speculative_tokens=6, verify_cost=0.05),
+    "early_exit": lambda _: SpeculativeConfig(
+        method="early_exit", num_speculative_tokens=3, num_layers=10, adaptive=False
+    ),
+    "draft_model": lambda path: SpeculativeConfig(
+        method="draft_model", num_speculative_tokens=3, model=str(path), adaptive=False
+    ),
 }
 
 
