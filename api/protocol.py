@@ -14,16 +14,24 @@ except in a chat stream ``delta``, whose unset fields are left out.
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 # ---- requests ----
 
 # Integers the engine turns into int64 tensors or torch seeds: larger ones would
 # fail inside an engine step (taking the whole batch down), so they stop here.
-Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
-# A prompt token id: a JSON integer, never a bool or a float that happens to be whole.
-TokenId = Annotated[int, Field(strict=True, ge=-(2**63), le=2**63 - 1)]
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]  # lt: 2^63 is exact as a JSON float, 2^63 - 1 is not
+
+
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("a token id must be an integer, not a boolean")
+    return value
+
+
+# A prompt token id: an integer (JSON's 3.0 is one; true is not).
+TokenId = Annotated[int, BeforeValidator(_not_bool), Field(ge=-(2**63), lt=2**63)]
 
 
 def lone_surrogate_at(data: Any) -> str | None:

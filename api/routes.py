@@ -5,13 +5,14 @@ The routes reach the serving objects through ``request.app.state.specserve``
 """
 
 from importlib.metadata import PackageNotFoundError, version
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from api.errors import APIError
-from api.openapi import error_responses
+from api.openapi import CHAT_EXAMPLES, COMPLETION_EXAMPLES, error_responses
 from api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -23,8 +24,21 @@ from api.protocol import (
 
 router = APIRouter()
 
-# A stream is "text/event-stream": data lines of chunks, then "data: [DONE]".
-_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+
+def _sse(chunk: str) -> dict:
+    """The "text/event-stream" of a streamed response, described per event: its data
+    is a ``chunk`` (JSON), an error body (a failure in mid-stream) or ``[DONE]``."""
+    payload = {"anyOf": [{"$ref": f"#/components/schemas/{chunk}"}, {"$ref": "#/components/schemas/ErrorResponse"}]}
+    data = {
+        "anyOf": [
+            {"const": "[DONE]"},
+            {"type": "string", "contentMediaType": "application/json", "contentSchema": payload},
+        ]
+    }
+    event = {"type": "object", "required": ["data"], "properties": {"data": data}}
+    return {"text/event-stream": {"schema": event}}
+
+
 _GENERATION_ERRORS = error_responses(400, 401, 404, 413, 500, 503, 504)
 
 
@@ -43,18 +57,22 @@ def _state(request: Request):
 @router.post(
     "/v1/completions",
     response_model=None,
-    responses={200: {"model": CompletionResponse, "content": _SSE}, **_GENERATION_ERRORS},
+    responses={200: {"model": CompletionResponse, "content": _sse("CompletionResponse")}, **_GENERATION_ERRORS},
 )
-async def create_completion(body: CompletionRequest, request: Request) -> Response:
+async def create_completion(
+    body: Annotated[CompletionRequest, Body(openapi_examples=COMPLETION_EXAMPLES)], request: Request
+) -> Response:
     return await _state(request).completions.create(body, request)
 
 
 @router.post(
     "/v1/chat/completions",
     response_model=None,
-    responses={200: {"model": ChatCompletionResponse, "content": _SSE}, **_GENERATION_ERRORS},
+    responses={200: {"model": ChatCompletionResponse, "content": _sse("ChatCompletionChunk")}, **_GENERATION_ERRORS},
 )
-async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+async def create_chat_completion(
+    body: Annotated[ChatCompletionRequest, Body(openapi_examples=CHAT_EXAMPLES)], request: Request
+) -> Response:
     return await _state(request).chat.create(body, request)
 
 
