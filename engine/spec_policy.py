@@ -71,6 +71,7 @@ class SpecState:
     rates: list[float] = field(default_factory=list)  # conditional acceptance per draft position
     paused_until: int = 0  # step index before which the request does not draft
     pause_len: int = MIN_PAUSE
+    probing: bool = False  # first round after a pause: a miss pauses again at once
     num_drafts: int = 0  # rounds that verified at least one draft
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -112,10 +113,14 @@ class SpecPolicy:
         gamma, gain = best_gamma(st.rates, self.c, k, self.v, fixed=self.f)
         if gain >= 1.0:
             return gamma
+        self._pause(st)
+        return 0
+
+    def _pause(self, st: SpecState) -> None:
         st.paused_until = self.step + st.pause_len
         st.pause_len = min(2 * st.pause_len, MAX_PAUSE)
-        st.rates = []  # retry with fresh hope once the pause ends
-        return 0
+        st.rates = []  # the retry after the pause starts from the prior ...
+        st.probing = True  # ... for one round only, unless it accepts something
 
     def is_paused(self, request_id: str) -> bool:
         st = self.states.get(request_id)
@@ -136,6 +141,9 @@ class SpecPolicy:
             st.rates[i] = (1 - EMA) * st.rates[i] + EMA * (i < num_accepted)
         if num_accepted > 0:
             st.pause_len = MIN_PAUSE
+            st.probing = False
+        elif st.probing:
+            self._pause(st)
 
     def end_step(self) -> None:
         self.step += 1

@@ -48,3 +48,17 @@ def test_opt_out_and_fixed_length():
     assert SpecPolicy(SpeculativeConfig(method="ngram"), 0.0, 0.05).num_draft_slots(req) == 0
     fixed = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False), 0.0, 9.0)
     assert fixed.num_draft_slots(request()) == 3
+
+
+def test_a_probe_after_a_pause_that_misses_pauses_again_at_once():
+    policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4), draft_cost=0.0, verify_cost=0.05, fixed_cost=0.1)
+    req = request()
+    while policy.num_draft_slots(req):
+        policy.record(req, 4, 0)
+        policy.end_step()
+    for _ in range(8):
+        policy.end_step()
+    assert policy.num_draft_slots(req) > 0  # the probe
+    policy.record(req, 4, 0)
+    policy.end_step()
+    assert policy.is_paused("r") and policy.states["r"].pause_len == 32
