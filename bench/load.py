@@ -1,15 +1,15 @@
 """Load test of the HTTP server under mixed traffic, misbehaving clients and several drafters.
 
     .venv/bin/python -m bench.load [--requests 300] [--concurrency 32] [--max-tokens 8,32]
-                                   [--methods none,ngram,early_exit] [--max-seconds 900]
+                                   [--methods none,ngram,early_exit] [--max-seconds 1200]
 
 One ``specserve serve`` process per speculation method, on 127.0.0.1, one after
 the other (the CPU is not shared between them); each gets its share of the
 requests (``bench.loadgen`` plans them: mixed prompt lengths, both routes,
 greedy and sampled settings, per-request speculation opt-out; 10% hang up
 mid-stream, 10% carry an invalid parameter), streamed at the given concurrency
-after a warm-up round. Every greedy request is then run again alone on the
-same server. Bounded: a fixed number of requests, a timeout per request and a
+after warm-up rounds of the same traffic. Every greedy request is then run
+again alone on the same server. Bounded: a fixed number of requests, a timeout per request and a
 time budget for the whole run, past which nothing new is sent.
 
 The run fails (exit status 1) unless, for every server:
@@ -22,8 +22,9 @@ The run fails (exit status 1) unless, for every server:
 - every greedy request writes under load what it writes alone;
 - afterwards nothing runs or waits and the KV-cache usage is back to 0 (the
   block pool at its initial free count);
-- resident memory after the run is within RSS_TOLERANCE of before (both after
-  the warm-up round, so first-touch allocations do not count);
+- resident memory after the run is within RSS_TOLERANCE of before (measured
+  after warm-up rounds that bring it to its plateau: the allocator's pools and
+  caches grow over the first few hundred requests, then level off);
 - SIGTERM drains the server and it exits with status 0.
 Reports p50 / p99 time to first token, gap between output events, time per
 output token, and throughput. Writes bench/results/load.md and load.png.
@@ -62,6 +63,7 @@ METHODS = {
     "early_exit": {"method": "early_exit", "num_speculative_tokens": 3, "num_layers": 8},
 }
 RSS_TOLERANCE = 0.05
+WARMUP_ROUNDS, WARMUP_GROWTH = 6, 0.01
 REQUEST_TIMEOUT = 120.0
 
 
@@ -97,6 +99,7 @@ class ServerRun:
     wall_s: float = 0.0
     problems: dict[str, list[str]] = field(default_factory=dict)  # check name -> failures
     counts: dict[str, int] = field(default_factory=dict)
+    rss_warmup: list[int] = field(default_factory=list)  # at start, then after each warm-up round
     rss_before: int = 0
     rss_after: int = 0
     exit_code: int | None = None
@@ -184,9 +187,8 @@ def run_server(method: str, jobs: list, args, tokenizer, budget_end: float, log:
     server = ServerProcess(METHODS[method], log, args.max_model_len)
     try:
         server.wait_ready()
-        lo, hi = args.max_tokens
-        warm = make_plan(args.concurrency, seed=10_000 + len(method), max_tokens=(lo, hi), bad_share=0.0)
-        asyncio.run(run_load(server.url, warm, args.concurrency, REQUEST_TIMEOUT, deadline=120))
+        start = time.monotonic()
+        run.rss_warmup = warm_up(server, args, start + 0.4 * (budget_end - start))
         idle, seen = engine_idle(server.url)
         if not idle:
             run.fail("blocks back", f"not idle after the warm-up: {seen}")
@@ -212,6 +214,24 @@ def run_server(method: str, jobs: list, args, tokenizer, budget_end: float, log:
     return run
 
 
+def warm_up(server: ServerProcess, args, end: float) -> list[int]:
+    """Rounds of the same traffic until one of them grows the server's RSS by less than
+    WARMUP_GROWTH (at most WARMUP_ROUNDS, none started after ``end``): the allocator's
+    pools and caches grow over the first few hundred requests, then level off.
+    Returns the RSS at start and after each round."""
+    trace = [server.rss()]
+    for i in range(WARMUP_ROUNDS):
+        if time.monotonic() > end:
+            break
+        plan = make_plan(2 * args.concurrency, seed=10_000 + i, max_tokens=args.max_tokens)
+        asyncio.run(run_load(server.url, plan, args.concurrency, REQUEST_TIMEOUT, deadline=300))
+        engine_idle(server.url)
+        trace.append(server.rss())
+        if trace[-1] - trace[-2] < WARMUP_GROWTH * trace[-2]:
+            break
+    return trace
+
+
 async def _alone_within(url: str, jobs: list, budget_end: float) -> dict:
     out = {}
     for job in jobs:
@@ -227,7 +247,8 @@ CHECKS = ["no 5xx", "streams well formed", "invalid -> 4xx", "disconnects", "gre
 
 def report(runs: list[ServerRun], args, total_s: float) -> tuple[str, bool]:
     header = ["server", "requests", "ok", "disconnect", "invalid", "greedy checked", "tok/s", "req/s",
-              "TTFT p50 / p99 s", "ITL p50 / p99 ms", "TPOT p50 / p99 ms", "RSS MiB before / after"]  # fmt: skip
+              "TTFT p50 / p99 s", "ITL p50 / p99 ms", "TPOT p50 / p99 ms", "RSS MiB warm-up",
+              "RSS MiB before / after"]  # fmt: skip
     rows = []
     for r in runs:
         lat = latencies(r.results)
@@ -238,7 +259,8 @@ def report(runs: list[ServerRun], args, total_s: float) -> tuple[str, bool]:
             f"{c.get('greedy', 0) - c.get('greedy unchecked', 0)} / {c.get('greedy', 0)}",
             c.get("tokens", 0) / r.wall_s if r.wall_s else 0.0, len(r.results) / r.wall_s if r.wall_s else 0.0,
             f"{ttft[0]:.2f} / {ttft[1]:.2f}", f"{itl[0] * 1e3:.0f} / {itl[1] * 1e3:.0f}",
-            f"{tpot[0] * 1e3:.0f} / {tpot[1] * 1e3:.0f}", f"{r.rss_before >> 20} / {r.rss_after >> 20}",
+            f"{tpot[0] * 1e3:.0f} / {tpot[1] * 1e3:.0f}", " > ".join(str(x >> 20) for x in r.rss_warmup),
+            f"{r.rss_before >> 20} / {r.rss_after >> 20}",
         ])  # fmt: skip
     checks = [[name] + ["pass" if name not in r.problems else f"FAIL ({len(r.problems[name])})" for r in runs]
               for name in CHECKS]  # fmt: skip
@@ -251,7 +273,9 @@ def report(runs: list[ServerRun], args, total_s: float) -> tuple[str, bool]:
         + markdown_table(header, rows)
         + "\n\nTTFT: request sent to first output event. ITL: gap between output events (several tokens "
         "when drafts are accepted). TPOT: (last - first output event) / (tokens per choice - 1). "
-        "tok/s: completion tokens of the completed requests over the load phase.\n\n"
+        "tok/s: completion tokens of the completed requests over the load phase. RSS warm-up: the server's "
+        f"RSS at start and after each warm-up round of {2 * args.concurrency} requests (until one grows it by "
+        f"less than {WARMUP_GROWTH:.0%}); before / after: around the measured run.\n\n"
         + markdown_table(["check"] + [r.method for r in runs], checks)
         + (f"\n\nFailures (first five per check):\n\n{failures}" if failures else "")
         + "\n\n![latencies](load.png)"
@@ -286,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", default="8,32", help="lo,hi: max_tokens is drawn in this range")
     ap.add_argument("--methods", default="none,ngram,early_exit")
     ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--max-seconds", type=float, default=900, help="time budget; nothing new is sent past it")
+    ap.add_argument("--max-seconds", type=float, default=1200, help="time budget; nothing new is sent past it")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     args.max_tokens = tuple(int(x) for x in args.max_tokens.split(","))

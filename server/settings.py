@@ -69,11 +69,21 @@ class ServerSettings(BaseSettings):
     log_format: Literal["text", "json"] = Field("text", description="text (key=value) or one JSON object per line")
     disable_log_requests: bool = Field(False, description="do not log one line per request")
 
-    @field_validator("served_model_name", "allowed_origins", mode="before")
+    @field_validator("served_model_name", mode="before")
     @classmethod
     def _split_names(cls, v):
         if isinstance(v, str):
             return [name.strip() for name in v.split(",") if name.strip()]
+        return v
+
+    @field_validator("allowed_origins", mode="before")
+    @classmethod
+    def _split_origins(cls, v):
+        """Comma-separated in the environment; on the command line either way."""
+        if isinstance(v, str):
+            v = [v]
+        if isinstance(v, list):
+            return [o.strip() for item in v for o in str(item).split(",") if o.strip()] or None
         return v
 
     @field_validator("speculative_config")

@@ -105,3 +105,25 @@ def in_threads(fn, args_list: list) -> list:
         if isinstance(r, BaseException):
             raise r
     return results
+
+
+def leftover_state(engine: LLMEngine, serving=None) -> dict[str, int]:
+    """Per-request state still held anywhere once every request has ended (all counts
+    must be 0): what a slow leak under load would be made of. The runner drops the
+    generators of ended requests at its next step, so those count only when the
+    scheduler has not queued them for that cleanup."""
+    cleanup = set(engine.scheduler._finished_ids)
+    held = {
+        "scheduler.requests": len(engine.scheduler.requests),
+        "kv block tables": len(engine.kv_manager._tables),
+        "runner.generators": len(set(engine.runner.generators) - cleanup),
+    }
+    if engine.policy is not None:
+        held["policy.states"] = len(engine.policy.states)
+    for name in ("indexes", "cached", "generators"):
+        if isinstance(getattr(engine.drafter, name, None), dict):
+            held[f"drafter.{name}"] = len(getattr(engine.drafter, name))
+    if serving is not None:
+        held.update({"serving.live": len(serving.live), "serving.pending": serving.pending})
+        held["async streams"] = len(serving.engine._streams)
+    return held

@@ -6,7 +6,8 @@ is ``python -m bench.load`` (300 requests at concurrency 32, three drafters).
 Checks: no 5xx; every completed stream well formed with consistent usage;
 every invalid request a 4xx with the error body; every greedy request's text
 equal to its text alone; afterwards the block pool back to its initial free
-count and resident memory within a few percent of before."""
+count, no per-request state left anywhere, and resident memory within a few
+percent of before."""
 
 import asyncio
 
@@ -15,6 +16,7 @@ import pytest
 
 from bench.load import RSS_TOLERANCE, ServerRun, check_run, engine_idle
 from bench.loadgen import make_plan, run_alone, run_load
+from tests.reliability.conftest import leftover_state
 from tests.server.conftest import LiveServer, settings, wait_idle
 
 REQUESTS, CONCURRENCY, MAX_TOKENS = 40, 8, (2, 8)
@@ -40,6 +42,7 @@ def test_short_load(engine, request):
         assert idle, seen
         wait_idle(engine)
         assert engine.kv_manager.num_free_blocks == total_blocks
+        assert not any(leftover_state(engine, live.serving).values()), leftover_state(engine, live.serving)
         run.rss_after = process.memory_info().rss
         greedy = [r.job for r in run.results if r.job.greedy and r.status == 200 and not r.error]
         alone = asyncio.run(run_alone(live.url, greedy, timeout=60))

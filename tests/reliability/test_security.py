@@ -109,6 +109,13 @@ def test_settings_parse_origins_and_refuse_protect_metrics_without_a_key(monkeyp
     monkeypatch.setenv("SPECSERVE_ALLOWED_ORIGINS", f"{ORIGIN}, https://b.example")
     assert ServerSettings().allowed_origins == [ORIGIN, "https://b.example"]
     assert ServerSettings(allowed_origins=None).allowed_origins is None
+    parser = build_parser()
+    for argv in (
+        ["--allowed-origins", f"{ORIGIN},https://b.example"],
+        ["--allowed-origins", ORIGIN, "https://b.example"],
+    ):
+        flags = vars(parser.parse_args(["serve", *argv]))
+        assert ServerSettings(allowed_origins=flags["allowed_origins"]).allowed_origins == [ORIGIN, "https://b.example"]
     with pytest.raises(ValueError, match="protect_metrics needs an api_key"):
         ServerSettings(protect_metrics=True)
     app = create_app(ServerSettings(allowed_origins=None))
