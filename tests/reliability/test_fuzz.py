@@ -154,6 +154,6 @@ def test_schema_fuzz(live, schema, session, fuzz_engine, mode):
     wait_idle(fuzz_engine)
     assert not any(status >= 500 for status in tally.statuses)
     if mode is GenerationMode.POSITIVE:  # the fuzz reached the engine, streams included
-        assert tally.statuses.get(200, 0) >= 20 and tally.streams >= 3, vars(tally)
+        assert tally.statuses.get(200, 0) >= 20 and tally.streams >= 1, vars(tally)
     else:
         assert tally.statuses.get(400, 0) >= 20, vars(tally)
