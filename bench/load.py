@@ -335,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     body, ok = report(runs, args, time.monotonic() - t0)
     body += (
         f"\n\nMachine load average (1 min) {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end: "
-        "above 0 means other work shared the cores, and the latencies and throughput above are lower bounds."
+        "above 0 at the start means other work shared the cores: the throughput above is then a lower bound and "
+        "the latencies upper bounds."
     )
     plot(runs, RESULTS / "load.png")
     command = "python -m bench.load " + " ".join(argv if argv is not None else sys.argv[1:])
