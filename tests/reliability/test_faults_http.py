@@ -8,6 +8,8 @@ Faults are injected with the engine's test hook (``engine.faults``). A request i
 picked out by its seed: the hook looks up the ids it is given in the scheduler.
 """
 
+import time
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -113,6 +115,10 @@ def test_a_dead_engine_thread_is_unhealthy_and_refuses_with_503(default_engine):
             return stream(live.url, body, timeout=30)
 
         def killer():
+            deadline = time.monotonic() + 30
+            while not any(r.num_output_tokens for r in list(engine.scheduler.running)):  # the long one streams
+                assert time.monotonic() < deadline, "the long request did not start"
+                time.sleep(0.02)
             engine.set_fault_hook(poisoned(engine, "model", EngineKilled))
             return stream(live.url, BAD, timeout=30)
 

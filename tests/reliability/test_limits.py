@@ -15,15 +15,15 @@ SHORT = {"prompt": "Hi", "max_tokens": 2}
 
 
 def test_a_request_past_the_time_limit_ends_with_a_clean_timeout(rel_engine):
-    with LiveServer(settings(max_request_seconds=1.0), rel_engine) as live, live.http() as http:
+    with LiveServer(settings(max_request_seconds=2.0), rel_engine) as live, live.http() as http:
         t0 = time.monotonic()
         status, events = stream(live.url, LONG)
         took = time.monotonic() - t0
         assert status == 200 and events[-1] == "[DONE]"
         error = events[-2]["error"]
         assert error["code"] == "request_timeout" and error["type"] == "server_error"
-        assert all("error" not in e for e in events[:-2]) and len(events) > 3  # it streamed tokens first
-        assert 1.0 <= took < 5.0
+        assert all("error" not in e for e in events[:-2]) and len(events) >= 3  # it streamed tokens first
+        assert 2.0 <= took < 12.0
         r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], **LONG})
         assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
         wait_idle(rel_engine, timeout=5)  # aborted: its blocks are back

@@ -37,7 +37,7 @@ def test_short_load(engine, request):
         asyncio.run(run_load(live.url, warm, CONCURRENCY, timeout=60, deadline=30))
         wait_idle(engine)
         run = ServerRun(request.node.callspec.id, rss_before=process.memory_info().rss)
-        run.results = asyncio.run(run_load(live.url, jobs, CONCURRENCY, timeout=60, deadline=60))
+        run.results = asyncio.run(run_load(live.url, jobs, CONCURRENCY, timeout=120, deadline=120))
         idle, seen = engine_idle(live.url, timeout=20)
         assert idle, seen
         wait_idle(engine)
