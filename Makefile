@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # The CPU build of torch lies on this machine's disk; GPU nodes take the CUDA build from PyPI.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup serve test test-slow test-all bench clean-venv tools
+.PHONY: setup serve test test-slow test-integration test-all bench clean-venv tools
 
 setup: $(VENV)/.installed model
 
@@ -24,9 +24,10 @@ model: $(VENV)/.installed
 serve: setup
 	$(VENV)/bin/specserve serve $(ARGS)
 
-# promtool (Debian's prometheus package) checks deploy/prometheus/prometheus.yml in the tests.
+# Debian's prometheus package: promtool checks deploy/prometheus/prometheus.yml and the
+# dashboard's PromQL in the tests; prometheus itself scrapes a live server in test-integration.
 tools:
-	command -v promtool >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+	command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
 test: setup tools
 	$(PY) -m pytest -q $(ARGS)
@@ -34,6 +35,10 @@ test: setup tools
 test-slow: setup tools
 	$(PY) -m pytest -q -m slow $(ARGS)
 
+test-integration: setup tools
+	$(PY) -m pytest -q -m integration $(ARGS)
+
+# Every test, whatever its markers.
 test-all: setup tools
 	$(PY) -m pytest -q -m 'slow or not slow' $(ARGS)
 
