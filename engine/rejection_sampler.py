@@ -60,10 +60,31 @@ def rejection_sample(
     recovered = (residual_distribution(p_j, q_j) / noise).argmax(dim=1)  # exponential race
     extra = torch.where(greedy, target_argmax.gather(1, num_accepted.unsqueeze(1)).squeeze(1), recovered)
 
+    return _assemble(draft_ids, num_accepted, extra), num_accepted
+
+
+def greedy_verify(
+    target_argmax: torch.Tensor,  # [n, K + 1]
+    draft_ids: torch.Tensor,  # [n, K] long, PLACEHOLDER past num_drafts
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule when every request is greedy: keep the longest prefix of drafts
+    equal to the target's argmaxes, then the target's argmax after it.
+    Same outputs as ``rejection_sample`` with all ``greedy`` set, without
+    distributions or randomness. Returns ``(output_ids [n, K + 1], num_accepted [n])``."""
+    accept = draft_ids == target_argmax[:, : draft_ids.shape[1]]  # PLACEHOLDER never matches
+    num_accepted = accept.int().cumprod(dim=1).sum(dim=1)  # [n]
+    extra = target_argmax.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+    return _assemble(draft_ids, num_accepted, extra), num_accepted
+
+
+def _assemble(draft_ids: torch.Tensor, num_accepted: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+    """[n, K + 1]: the accepted drafts, the extra token, PLACEHOLDER padding."""
+    n, k_max = draft_ids.shape
+    pos = torch.arange(k_max, device=draft_ids.device).unsqueeze(0)  # [1, K]
     out = torch.full((n, k_max + 1), PLACEHOLDER, dtype=torch.long, device=draft_ids.device)
     out[:, :k_max] = torch.where(pos < num_accepted.unsqueeze(1), draft_ids, PLACEHOLDER)
     out.scatter_(1, num_accepted.unsqueeze(1), extra.unsqueeze(1))
-    return out, num_accepted
+    return out
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

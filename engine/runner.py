@@ -19,7 +19,7 @@ import torch
 from drafters.base import Draft
 from engine.attention import SeqSpec, build_attention_metadata
 from engine.outputs import TokenLogprob
-from engine.rejection_sampler import PLACEHOLDER, rejection_sample
+from engine.rejection_sampler import PLACEHOLDER, greedy_verify, rejection_sample
 from engine.request import Request
 from engine.sampler import (
     build_sampling_batch,
@@ -107,20 +107,14 @@ class ModelRunner:
         rr, rp = self._t(row_req), self._t(row_pos)
         argmax = torch.zeros(n, k_max + 1, dtype=torch.long, device=self.device)
         argmax[rr, rp] = penalized_logits(logits, batch).argmax(-1)
-        probs = torch.zeros(n, k_max + 1, self.vocab_size, device=self.device)
-        if not batch.all_greedy:
-            probs[rr, rp] = processed_probs(logits, batch)
         draft_ids = torch.full((n, k_max), PLACEHOLDER, dtype=torch.long, device=self.device)
-        draft_probs = None if all(d is None or d.probs is None for d in drafts) else torch.zeros(n, k_max, self.vocab_size, device=self.device)
         for i, d in enumerate(drafts):
             if d:
                 draft_ids[i, : k[i]] = torch.tensor(d.token_ids, device=self.device)
-                if draft_probs is not None and d.probs is not None:
-                    draft_probs[i, : k[i]] = d.probs
-        gens = self._generators(requests)
-        uniforms, noise = self._randomness(n, k_max, gens)
-        greedy = torch.tensor([r.params.greedy for r in requests], device=self.device)
-        out, accepted = rejection_sample(probs, argmax, draft_ids, draft_probs, self._t(np.array(k)), greedy, uniforms, noise)
+        if batch.all_greedy:
+            out, accepted = greedy_verify(argmax, draft_ids)
+        else:
+            out, accepted = self._rejection_sample(logits, batch, requests, drafts, argmax, draft_ids, k, rr, rp)
         result = RunnerOutput({}, num_drafted={}, num_accepted={})
         for i, (r, tokens, j) in enumerate(zip(requests, out.tolist(), accepted.tolist())):
             result.sampled[r.request_id] = tokens[: j + 1]
@@ -130,6 +124,22 @@ class ModelRunner:
         if batch.num_logprobs is not None:
             self._add_chain_logprobs(result, logits, row_req, row_pos, requests, batch.num_logprobs)
         return result
+
+    def _rejection_sample(self, logits, batch, requests, drafts, argmax, draft_ids, k, rr, rp):
+        """The rejection rule for a batch with sampled requests: builds p [n, K + 1, vocab]
+        (rows ``rr``, ``rp`` from ``logits``), q and the randomness, then verifies."""
+        n, k_max = draft_ids.shape
+        probs = torch.zeros(n, k_max + 1, self.vocab_size, device=self.device)
+        probs[rr, rp] = processed_probs(logits, batch)
+        draft_probs = None
+        if any(d is not None and d.probs is not None for d in drafts):
+            draft_probs = torch.zeros(n, k_max, self.vocab_size, device=self.device)
+            for i, d in enumerate(drafts):
+                if d and d.probs is not None:
+                    draft_probs[i, : k[i]] = d.probs
+        uniforms, noise = self._randomness(n, k_max, self._generators(requests))
+        greedy = torch.tensor([r.params.greedy for r in requests], device=self.device)
+        return rejection_sample(probs, argmax, draft_ids, draft_probs, self._t(np.array(k)), greedy, uniforms, noise)
 
     def _randomness(self, n: int, k_max: int, gens: list[torch.Generator | None]):
         """Uniforms [n, k_max] and Exp(1) noise [n, vocab]; a seeded request's from its generator."""

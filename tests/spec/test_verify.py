@@ -4,7 +4,7 @@ example computed exactly, greedy matching, bonus tokens, padding."""
 import numpy as np
 import torch
 
-from engine.rejection_sampler import PLACEHOLDER, rejection_sample, residual_distribution
+from engine.rejection_sampler import PLACEHOLDER, greedy_verify, rejection_sample, residual_distribution
 
 P = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
 Q = torch.tensor([0.2, 0.6, 0.2], dtype=torch.float64)
@@ -83,3 +83,19 @@ def test_batch_rows_are_independent_and_padded():
     )
     assert acc.tolist() == [2, 1]
     assert out[1, 2].item() == PLACEHOLDER
+
+
+def test_greedy_fast_path_matches_the_general_rule():
+    gen = torch.Generator().manual_seed(0)
+    n, k, vocab = 64, 5, 4  # a small vocabulary so that many drafts match
+    probs = torch.rand(n, k + 1, vocab, generator=gen).softmax(-1)
+    argmax = probs.argmax(-1)
+    num_drafts = torch.randint(0, k + 1, (n,), generator=gen)
+    ids = torch.randint(0, vocab, (n, k), generator=gen)
+    ids = torch.where(torch.arange(k) < num_drafts.unsqueeze(1), ids, PLACEHOLDER)
+    expected = rejection_sample(
+        probs, argmax, ids, None, num_drafts, torch.ones(n, dtype=torch.bool), torch.rand(n, k), torch.ones(n, vocab)
+    )
+    out, acc = greedy_verify(argmax, ids)
+    assert torch.equal(out, expected[0]) and torch.equal(acc, expected[1])
+    assert 0 < acc.float().mean() < k  # the case mix covers rejections and full acceptance
