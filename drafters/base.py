@@ -35,6 +35,12 @@ class Drafter(ABC):
     #: Cost of drafting one token, in target decode steps (the speculation policy's ``c``).
     cost_per_token: float = 0.0
 
+    def context_class(self, request: "Request") -> int | None:
+        """A class of ``request``'s committed context for the speculation policy, which
+        keeps acceptance statistics per class; None: nothing to propose now. Must not
+        depend on what would be drafted, only on the context (default: one class)."""
+        return 0
+
     @abstractmethod
     def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
         """Drafts for some of the slots (a request may get none), keyed by request id."""

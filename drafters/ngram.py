@@ -34,13 +34,18 @@ class NgramIndex:
                 self.last_start[tuple(tokens[end - n + 1 : end + 1])] = end - n + 1
         self.num_indexed_ends = max(self.num_indexed_ends, len(tokens) - 1)
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def match(self, tokens: list[int]) -> tuple[int, int] | None:
+        """``(n, start)`` of the longest suffix with an earlier occurrence, or None."""
         self.extend(tokens)
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             start = self.last_start.get(tuple(tokens[-n:]))
             if start is not None:
-                return tokens[start + n : start + n + k]
-        return []
+                return n, start
+        return None
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        m = self.match(tokens)
+        return tokens[m[0] + m[1] : m[0] + m[1] + k] if m else []
 
 
 def ngram_draft(context: list, n: int, k: int) -> list:
@@ -57,26 +62,43 @@ class NgramDrafter(Drafter):
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
         self.indexes: dict[str, NgramIndex] = {}
+        self.matches: dict[str, tuple[int, tuple[int, int] | None]] = {}  # id -> (num_tokens, match)
+
+    def context_class(self, request) -> int | None:
+        """The length of the suffix match (longer matches predict better); None: no match."""
+        m = self._match(request)
+        return m[0] if m else None
 
     def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
         out = {}
         for slot in slots:
-            rid = slot.request.request_id
+            tokens = slot.request.token_ids
+            m = self._match(slot.request)
+            if m:
+                n, start = m
+                out[slot.request.request_id] = Draft(tokens[start + n : start + n + slot.num_tokens])
+        return out
+
+    def _match(self, request) -> tuple[int, int] | None:
+        """The match for the request's current tokens, computed once per step."""
+        rid, num = request.request_id, request.num_tokens
+        cached = self.matches.get(rid)
+        if cached is None or cached[0] != num:
             index = self.indexes.get(rid)
             if index is None:
                 index = self.indexes[rid] = NgramIndex(self.min_n, self.max_n)
-            tokens = index.propose(slot.request.token_ids, slot.num_tokens)
-            if tokens:
-                out[rid] = Draft(tokens)
-        return out
+            cached = self.matches[rid] = (num, index.match(request.token_ids))
+        return cached[1]
 
     def commit(self, request) -> None:
         index = self.indexes.get(request.request_id)
         if index is not None and index.num_indexed_ends > request.num_tokens - 1:
             self.indexes.pop(request.request_id)  # tokens were rolled back past the index: rebuild
+        self.matches.pop(request.request_id, None)
 
     def free(self, request_id: str) -> None:
         self.indexes.pop(request_id, None)
+        self.matches.pop(request_id, None)
 
 
 @register("ngram")

@@ -23,8 +23,8 @@ from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput, no_drafts
-from engine.spec_policy import SpecPolicy
-from engine.stats import StepTimes, make_step_stats, measure_verify_cost
+from engine.spec_policy import SpecPolicy, linear_costs
+from engine.stats import StepTimes, make_step_stats, measure_verify_costs
 from engine.stop import holdback
 from kvcache import KVCacheManager, blocks_needed
 from kvcache.tensors import KVSpec, PagedKV
@@ -129,17 +129,18 @@ class LLMEngine:
             sc, target=self.model, tokenizer=self.tokenizer, num_blocks=num_blocks,
             block_size=spec.block_size, dtype=dtype, device=device,
         )
-        fixed, per_token = 0.0, sc.verify_cost
-        if per_token is None:
-            fixed, per_token = measure_verify_cost(
-                self.model, self.runner, sc.num_speculative_tokens, spec.block_size, self.max_model_len
-            )
-        log.info("speculation: %s, k=%d, draft cost %.3f per token, verify cost %.3f + %.3f per token",
-                 sc.method, sc.num_speculative_tokens, drafter.cost_per_token, fixed, per_token)
-        return drafter, SpecPolicy(sc, drafter.cost_per_token, per_token, fixed)
+        k = sc.num_speculative_tokens
+        if sc.verify_cost is not None:
+            costs = linear_costs(k, sc.verify_cost)
+        else:
+            costs = measure_verify_costs(self.model, self.runner, k, spec.block_size, self.max_model_len)
+        log.info("speculation: %s, k=%d, draft cost %.3f per token, verify cost by drafts %s",
+                 sc.method, k, drafter.cost_per_token, " ".join(f"{c:.2f}" for c in costs))
+        return drafter, SpecPolicy(sc, drafter.cost_per_token, costs, self._context_class)
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self.step_fallbacks = 0
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
@@ -157,7 +158,6 @@ class LLMEngine:
 
     def _propose(self, scheduled: SchedulerOutput) -> dict:
         """Drafts for the scheduled slots; a failing drafter means no drafts this step."""
-        self.step_fallbacks = 0
         if self.drafter is None:
             return {}
         for rid in scheduled.finished_ids:
@@ -175,6 +175,19 @@ class LLMEngine:
             for s in slots:
                 self.drafter.free(s.request.request_id)  # its caches may be half-written
             return {}
+
+    def _context_class(self, request: Request) -> int | None:
+        """The drafter's class of the request's context (scheduling asks it); a failure
+        means no drafts for this request this step, as in ``_propose``."""
+        try:
+            if self.fault_hook:
+                self.fault_hook("drafter", [request.request_id])
+            return self.drafter.context_class(request)
+        except Exception:  # noqa: BLE001 - speculation is an optimization: decode plainly instead
+            log.exception("drafter failed; request %s decodes without drafts this step", request.request_id)
+            self.step_fallbacks = 1
+            self.drafter.free(request.request_id)
+            return None
 
     def _execute(self, scheduled: SchedulerOutput, drafts: dict) -> tuple[RunnerOutput, list[Request]]:
         """The target pass. If it fails, each request is retried alone, so that

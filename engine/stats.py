@@ -4,6 +4,7 @@ and the start-up measurement of the verification cost used by the policy."""
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.attention import SeqSpec, build_attention_metadata
@@ -86,16 +87,16 @@ def make_step_stats(engine, scheduled, result, touched, times: StepTimes) -> Ste
 
 
 @torch.inference_mode()
-def measure_verify_cost(model, runner, k: int, block_size: int, max_len: int, repeats: int = 8) -> tuple[float, float]:
-    """Cost of a verification pass beyond a plain decode step, in decode steps:
-    ``(fixed, per_token)``, so that a pass over 1 + g tokens costs ``1 + fixed + g * per_token``.
+def measure_verify_costs(model, runner, k: int, block_size: int, max_len: int, repeats: int = 5) -> list[float]:
+    """``[V(0) .. V(k)]``: the cost of a pass verifying ``g`` drafts, in plain decode steps.
 
-    Times passes over 1, 2 and 1 + k tokens after 64 tokens of context, at
-    batch 1, with logits for every row as verification needs, in the (still
-    empty) KV cache. Call before serving.
+    Times passes over ``1 + g`` tokens for ``g`` in 0, 1, 2, 4, 8, ... and k, after
+    256 tokens of context, at batch 1, with logits for every row as verification
+    needs, in the (still empty) KV cache; interpolates linearly in between.
+    Call before serving.
     """
     device = runner.device
-    context = max(1, min(64, max_len - k - 1))
+    context = max(1, min(256, max_len - k - 1))
     blocks = list(range(-(-(context + k + 1) // block_size)))
     ids = torch.randint(0, model.config.vocab_size, (context + k + 1,), device=device)
 
@@ -103,13 +104,14 @@ def measure_verify_cost(model, runner, k: int, block_size: int, max_len: int, re
         meta = build_attention_metadata([SeqSpec(start, n, blocks)], block_size, device)
         pos = torch.arange(start, start + n, device=device)
         t = time.perf_counter()
-        model.compute_logits(model(ids[start : start + n], pos, meta, runner.kv)).softmax(-1)
+        model.compute_logits(model(ids[start : start + n], pos, meta, runner.kv)).argmax(-1)
         return time.perf_counter() - t
 
     run(0, context)
+    sizes = sorted({0, k} | {g for g in (1, 2, 4, 8, 16, 32, 64) if g < k})
     # Interleaved, and the minimum of each: robust to other work on a shared machine.
-    times = [(run(context, 1), run(context, 2), run(context, 1 + k)) for _ in range(repeats)]
-    one, two, many = (min(t[i] for t in times) for i in range(3))
-    per_token = max(0.0, (many - two) / ((k - 1) * one)) if k > 1 else max(0.0, (two - one) / one)
-    fixed = max(0.0, (two - one) / one - per_token)
-    return fixed, per_token
+    times = [[run(context, 1 + g) for g in sizes] for _ in range(repeats)]
+    best = [min(t[i] for t in times) for i in range(len(sizes))]
+    measured = [max(1.0, b / best[0]) for b in best]
+    measured = [max(measured[: i + 1]) for i in range(len(measured))]  # more drafts never cost less
+    return [float(np.interp(g, sizes, measured)) for g in range(k + 1)]

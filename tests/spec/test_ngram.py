@@ -35,3 +35,12 @@ def test_drafter_proposes_per_request_and_forgets():
     assert drafts["r"].token_ids == [7, 5, 6] and drafts["r"].probs is None
     drafter.free("r")
     assert "r" not in drafter.indexes
+
+
+def test_context_class_is_the_match_length_from_committed_tokens_only():
+    drafter = NgramDrafter(1, 4)
+    req = Request("r", [5, 6, 7, 8, 1, 6, 7], SamplingParams(), frozenset())
+    assert drafter.context_class(req) == 2  # "6 7" recurs
+    assert drafter.propose([DraftSlot(req, 3)])["r"].token_ids == [8, 1, 6]
+    lonely = Request("s", [1, 2, 3], SamplingParams(), frozenset())
+    assert drafter.context_class(lonely) is None and drafter.propose([DraftSlot(lonely, 3)]) == {}

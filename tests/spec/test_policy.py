@@ -5,7 +5,7 @@ import pytest
 from engine.config import SpeculativeConfig
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.spec_policy import SpecPolicy, best_gamma, expected_tokens, speedup, survival
+from engine.spec_policy import ClassState, SpecPolicy, best_gamma, expected_tokens, linear_costs, speedup, survival
 
 
 def test_reference_numbers():
@@ -28,7 +28,7 @@ def request() -> Request:
 
 
 def test_copying_raises_the_draft_length_and_misses_pause_drafting():
-    policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=8), draft_cost=0.0, verify_cost=0.05)
+    policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=8), 0.0, linear_costs(8, 0.05))
     req = request()
     first = policy.num_draft_slots(req)
     for _ in range(10):
@@ -45,13 +45,13 @@ def test_copying_raises_the_draft_length_and_misses_pause_drafting():
 
 def test_opt_out_and_fixed_length():
     req = Request("r", [1], SamplingParams(speculate=False), frozenset())
-    assert SpecPolicy(SpeculativeConfig(method="ngram"), 0.0, 0.05).num_draft_slots(req) == 0
-    fixed = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False), 0.0, 9.0)
+    assert SpecPolicy(SpeculativeConfig(method="ngram"), 0.0, linear_costs(4, 0.05)).num_draft_slots(req) == 0
+    fixed = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False), 0.0, linear_costs(3, 9.0))
     assert fixed.num_draft_slots(request()) == 3
 
 
 def test_a_probe_after_a_pause_that_misses_pauses_again_at_once():
-    policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4), draft_cost=0.0, verify_cost=0.05, fixed_cost=0.1)
+    policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 0.0, linear_costs(4, 0.05, fixed=0.1))
     req = request()
     while policy.num_draft_slots(req):
         policy.record(req, 4, 0)
@@ -61,4 +61,37 @@ def test_a_probe_after_a_pause_that_misses_pauses_again_at_once():
     assert policy.num_draft_slots(req) > 0  # the probe
     policy.record(req, 4, 0)
     policy.end_step()
-    assert policy.is_paused("r") and policy.states["r"].pause_len == 32
+    assert policy.is_paused("r") and policy.states["r"].classes[0].pause_len == 32
+
+
+def test_context_classes_keep_their_own_statistics_and_pool_across_requests():
+    klass = {"r": 1, "t": 3}
+    policy = SpecPolicy(
+        SpeculativeConfig(method="ngram", num_speculative_tokens=8), 0.0, linear_costs(8, 0.05),
+        context_class=lambda r: klass.get(r.request_id),
+    )
+    req = request()
+    for _ in range(30):  # short matches miss ...
+        if policy.num_draft_slots(req):
+            policy.record(req, 8, 0)
+        policy.end_step()
+    assert policy.num_draft_slots(req) == 0 and policy.is_paused("r")
+    klass["r"] = 5  # ... a long match in the same request still drafts
+    assert policy.num_draft_slots(req) > 0 and not policy.is_paused("r")
+    for _ in range(20):
+        policy.record(req, policy.num_draft_slots(req), 8)
+    assert policy.num_draft_slots(req) == 8
+    # A new request starts from the rates pooled over earlier ones.
+    other = Request("s", [1], SamplingParams(), frozenset())
+    klass["s"] = 5
+    assert policy.num_draft_slots(other) >= 6 > policy.num_draft_slots(Request("t", [1], SamplingParams(), frozenset()))
+    klass["s"] = None  # the drafter has nothing to propose
+    assert policy.num_draft_slots(other) == 0 and not policy.is_paused("s")
+
+
+def test_a_nonlinear_cost_table_moves_the_choice():
+    rates = [0.3] * 8
+    cheap_then_steep = [1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=8), 0.0, cheap_then_steep)
+    policy.pooled[0] = ClassState(rates, tested=8)  # as if earlier requests had measured them
+    assert policy.num_draft_slots(request()) == 4  # free drafts up to 4, then a step that doubles the cost
