@@ -12,7 +12,7 @@ except in a chat stream ``delta``, whose unset fields are left out.
 """
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
@@ -187,6 +187,21 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+ChoiceT = TypeVar("ChoiceT", bound=BaseModel)
+
+
+class ChoiceList(BaseModel, Generic[ChoiceT]):
+    """The envelope of every completion object: a subclass names its choice type
+    and pins ``object`` to a literal; the fields keep this order on the wire."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChoiceT]
+    usage: Usage | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -194,13 +209,8 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(ChoiceList[CompletionChoice]):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
 
 
 class ChatTopLogprob(BaseModel):
@@ -229,13 +239,8 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(ChoiceList[ChatChoice]):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -256,13 +261,8 @@ class ChatStreamChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(ChoiceList[ChatStreamChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: Usage | None = None
 
 
 class ModelCard(BaseModel):

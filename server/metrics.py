@@ -73,6 +73,12 @@ class RequestStats:
     finish_reason: str | None = None
 
 
+def _child(kind, reg: CollectorRegistry, name: str, doc: str, labels: dict[str, str], **kw):
+    """A new ``kind`` metric (Counter, Gauge, Histogram) in ``reg`` labelled with the
+    names of ``labels``, as its one child for their values (``kw``: e.g. ``buckets``)."""
+    return kind(name, doc, list(labels), registry=reg, **kw).labels(*labels.values())
+
+
 class _EngineCollector(Collector):
     def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str):
         self._snapshot = snapshot
@@ -119,33 +125,21 @@ class ServingMetrics:
             self._rejected.labels(model_name, reason)
         for reason in FINISH_REASONS:
             self._finished.labels(model_name, reason)
-        self._prompt = Counter(
-            "specserve_prompt_tokens", "Prompt tokens of ended requests.", labels, registry=reg
-        ).labels(model_name)
-        self._generation = Counter("specserve_generation_tokens", "Generated tokens.", labels, registry=reg).labels(
-            model_name
-        )
-        self._ttft = Histogram(
-            "specserve_time_to_first_token_seconds",
-            "Arrival to first output token.",
-            labels,
+        per_model = {"model_name": model_name}
+        self._prompt = _child(Counter, reg, "specserve_prompt_tokens", "Prompt tokens of ended requests.", per_model)
+        self._generation = _child(Counter, reg, "specserve_generation_tokens", "Generated tokens.", per_model)
+        self._ttft = _child(
+            Histogram, reg, "specserve_time_to_first_token_seconds", "Arrival to first output token.", per_model,
             buckets=TTFT_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
-        self._itl = Histogram(
-            "specserve_inter_token_latency_seconds",
-            "Gap between output tokens.",
-            labels,
+        )
+        self._itl = _child(
+            Histogram, reg, "specserve_inter_token_latency_seconds", "Gap between output tokens.", per_model,
             buckets=ITL_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
-        self._e2e = Histogram(
-            "specserve_e2e_request_latency_seconds",
-            "Arrival to the end of the request.",
-            labels,
+        )
+        self._e2e = _child(
+            Histogram, reg, "specserve_e2e_request_latency_seconds", "Arrival to the end of the request.", per_model,
             buckets=E2E_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
+        )
         reg.register(_EngineCollector(snapshot, model_name))
         self.steps: StepMetrics | None = None
 
@@ -194,22 +188,23 @@ class StepMetrics:
     and ``method``; ``on_step`` runs on the engine thread (prometheus_client is thread-safe)."""
 
     def __init__(self, reg: CollectorRegistry, model_name: str, method: str, max_drafts: int):
-        m = (model_name,)
-        mm = (model_name, method)
-        both = ["model_name", "method"]
+        per_model = {"model_name": model_name}
+        per_method = {**per_model, "method": method}
 
         def counter(name, doc):
-            return Counter(f"specserve_spec_decode_{name}", doc, both, registry=reg).labels(*mm)
+            return _child(Counter, reg, f"specserve_spec_decode_{name}", doc, per_method)
 
-        def histogram(name, doc, buckets, labels=both, values=mm):
-            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(*values)
+        def histogram(name, doc, buckets, labels=per_method):
+            return _child(Histogram, reg, name, doc, labels, buckets=buckets)
 
-        self.queue = histogram("specserve_request_queue_time_seconds", "Arrival to first scheduling.", QUEUE_BUCKETS, ["model_name"], m)
+        self.queue = histogram(
+            "specserve_request_queue_time_seconds", "Arrival to first scheduling.", QUEUE_BUCKETS, per_model
+        )
         self.prefill = histogram(
-            "specserve_request_prefill_time_seconds", "First scheduling to first token.", QUEUE_BUCKETS, ["model_name"], m
+            "specserve_request_prefill_time_seconds", "First scheduling to first token.", QUEUE_BUCKETS, per_model
         )
         self.step_tokens = histogram(
-            "specserve_step_tokens", "Tokens computed per engine step.", STEP_TOKEN_BUCKETS, ["model_name"], m
+            "specserve_step_tokens", "Tokens computed per engine step.", STEP_TOKEN_BUCKETS, per_model
         )
         self.drafts = counter("num_drafts", "Drafting rounds verified (requests x steps with drafts).")
         self.draft_tokens = counter("num_draft_tokens", "Draft tokens verified.")
@@ -218,10 +213,10 @@ class StepMetrics:
         per_pos = Counter(
             "specserve_spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position (0 = first draft).",
-            both + ["position"],
+            [*per_method, "position"],
             registry=reg,
         )
-        self.per_pos = [per_pos.labels(*mm, str(i)) for i in range(max_drafts)]
+        self.per_pos = [per_pos.labels(*per_method.values(), str(i)) for i in range(max_drafts)]
         rounds = tuple(range(1, max_drafts + 2))
         self.tokens_per_round = histogram(
             "specserve_spec_decode_tokens_per_round", "Tokens emitted by one drafting round (accepted + 1).", rounds
@@ -238,10 +233,10 @@ class StepMetrics:
             "specserve_spec_decode_verify_time_seconds", "Target pass and verification time per decode step.",
             STEP_TIME_BUCKETS,
         )
-        self.paused = Gauge(
-            "specserve_spec_decode_num_paused_requests", "Requests whose drafting is paused (drafts did not pay).",
-            both, registry=reg,
-        ).labels(*mm)
+        self.paused = _child(
+            Gauge, reg, "specserve_spec_decode_num_paused_requests",
+            "Requests whose drafting is paused (drafts did not pay).", per_method,
+        )
 
     def on_step(self, stats) -> None:
         self.step_tokens.observe(stats.num_scheduled_tokens)

@@ -9,8 +9,10 @@ went away gets nothing more.
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from api.errors import APIError
 from api.sse import DONE, sse_error
@@ -56,6 +58,29 @@ async def collect(gen: Generation) -> list[ChoiceResult] | None:
 
 def client_closed() -> Response:
     return Response(status_code=CLIENT_CLOSED)
+
+
+class View(Protocol):
+    """How one request's engine deltas become OpenAI objects (a ``_View`` of
+    serving_completion or serving_chat)."""
+
+    def render(self, index: int, out: RequestOutput) -> Iterable[str]:
+        """The SSE events of one delta of choice ``index``."""
+
+    def tail(self) -> Iterable[str]:
+        """The SSE events after the last delta (usage)."""
+
+    def response(self, results: list[ChoiceResult]) -> BaseModel:
+        """The whole response body of the finished choices."""
+
+
+async def respond(gen: Generation, view: View, stream: bool) -> Response:
+    """The response to a submitted generation: its events when ``stream``, else the
+    whole body once every choice ended (499 when the client went away first)."""
+    if stream:
+        return event_stream(gen, view.render, view.tail)
+    results = await collect(gen)
+    return client_closed() if results is None else JSONResponse(view.response(results).model_dump())
 
 
 def event_stream(

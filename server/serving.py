@@ -249,28 +249,25 @@ class ServingEngine:
                 f"this request asks for {num_new} completions; the server takes at most {limit} at once", "n"
             )
         if self.draining:
-            self.metrics.on_rejected("shutting_down")
-            raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
+            raise self._reject("shutting_down", "the server is shutting down", retry_after_s=5)
         if not self.engine.is_running:
-            self.metrics.on_rejected("engine_dead")
-            raise APIError(503, "the engine is not running", code="engine_dead")
+            raise self._reject("engine_dead", "the engine is not running")
         concurrent = self.settings.max_concurrent_requests
         if concurrent is not None and len(self.live) >= concurrent:
-            self.metrics.on_rejected("too_many_requests")
-            raise APIError(
-                503,
-                f"the server is busy: {len(self.live)} requests are in flight",
-                code="too_many_requests",
-                headers={"Retry-After": "1"},
+            raise self._reject(
+                "too_many_requests", f"the server is busy: {len(self.live)} requests are in flight", retry_after_s=1
             )
         if self.pending + num_new > limit:
-            self.metrics.on_rejected("queue_full")
-            raise APIError(
-                503,
-                f"the server is busy: {self.pending} requests are waiting",
-                code="queue_full",
-                headers={"Retry-After": "1"},
+            raise self._reject(
+                "queue_full", f"the server is busy: {self.pending} requests are waiting", retry_after_s=1
             )
+
+    def _reject(self, reason: str, message: str, retry_after_s: int | None = None) -> APIError:
+        """A 503 refusal to raise, counted under ``reason`` (also its error code);
+        ``retry_after_s`` becomes the Retry-After header."""
+        self.metrics.on_rejected(reason)
+        headers = None if retry_after_s is None else {"Retry-After": str(retry_after_s)}
+        return APIError(503, message, code=reason, headers=headers)
 
     def _on_delta(self, choice: _Choice, out: RequestOutput) -> None:
         if not choice.started:

@@ -10,7 +10,7 @@ import uuid
 
 import jinja2
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from api.errors import bad_request
 from api.protocol import (
@@ -30,7 +30,7 @@ from api.sse import sse_chunk
 from engine.outputs import RequestOutput
 from server.logprobs import TokenDecoder, chat_logprobs
 from server.params import build_params, check_n, per_choice, unsupported
-from server.responses import ChoiceResult, client_closed, collect, event_stream
+from server.responses import ChoiceResult, respond
 from server.serving import ServingEngine
 
 
@@ -49,10 +49,7 @@ class ChatServing:
         gen = await self.serving.submit(cid, [(ids, p) for p in per_choice(params, n)])
         gen.watch_disconnect(raw.receive)
         view = _View(cid, model, n, len(ids), self.decode, bool(req.logprobs), req.include_usage)
-        if req.stream:
-            return event_stream(gen, view.render, view.tail)
-        results = await collect(gen)
-        return client_closed() if results is None else JSONResponse(view.response(results).model_dump())
+        return await respond(gen, view, bool(req.stream))
 
     def _prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
         if not messages:

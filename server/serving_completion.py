@@ -9,7 +9,7 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from api.errors import bad_request
 from api.protocol import CompletionChoice, CompletionRequest, CompletionResponse, SpecDecodeUsage, Usage
@@ -17,7 +17,7 @@ from api.sse import sse_chunk
 from engine.outputs import RequestOutput
 from server.logprobs import TokenDecoder, completion_logprobs
 from server.params import build_params, check_n, per_choice, unsupported
-from server.responses import ChoiceResult, client_closed, collect, event_stream
+from server.responses import ChoiceResult, respond
 from server.serving import ServingEngine
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for legacy completions
@@ -39,10 +39,7 @@ class CompletionServing:
         gen.watch_disconnect(raw.receive)
         echo = [self._prompt_text(req.prompt, i, ids) for i, ids in enumerate(prompts)] if req.echo else None
         view = _View(cid, model, n, prompts, echo, self.decode, req.logprobs is not None, req.include_usage)
-        if req.stream:
-            return event_stream(gen, view.render, view.tail)
-        results = await collect(gen)
-        return client_closed() if results is None else JSONResponse(view.response(results).model_dump())
+        return await respond(gen, view, bool(req.stream))
 
     def _prompt_ids(self, prompt) -> list[list[int]]:
         """The prompt in any of its four shapes, as one token-id list per prompt."""
