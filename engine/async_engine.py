@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine
@@ -119,12 +119,18 @@ class AsyncEngine:
             self._fail_all(EngineDeadError("the engine stopped"))
             self._refuse_inbox()
 
-    def _drain_inbox(self) -> None:
+    def _take_inbox(self) -> Iterator[_Add | _Abort]:
+        """The messages in the inbox, oldest first, until it is empty; each is
+        taken once, so both threads may drain it."""
         while True:
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            yield msg
+
+    def _drain_inbox(self) -> None:
+        for msg in self._take_inbox():
             if isinstance(msg, _Add):
                 self._start(msg)
             elif (out := self.engine.abort_request(msg.request_id)) is not None:
@@ -173,11 +179,7 @@ class AsyncEngine:
     def _refuse_inbox(self) -> None:
         """After the loop ended: fail requests still in the inbox (either thread may call this;
         each message is taken once). Aborts need nothing: their requests were failed already."""
-        while True:
-            try:
-                msg = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for msg in self._take_inbox():
             if isinstance(msg, _Add):
                 _send(msg, EngineDeadError("the engine stopped"))
 
