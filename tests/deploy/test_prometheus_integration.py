@@ -10,7 +10,6 @@ not root), and skips when that fails.
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import httpx
 import pytest
 import yaml
 
+from bench.server_procs import free_port
 from deploy.dashboard import ACCEPTED, DRAFTED, DRAFTS, acceptance_length, acceptance_rate
 from tests.deploy.conftest import tool
 from tests.deploy.test_prometheus import as_promql
@@ -57,12 +57,6 @@ def prometheus_bin() -> str:
     if path is None:
         pytest.skip(f"prometheus is not installed and `{' '.join(command)}` failed ({why})")
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Prometheus:

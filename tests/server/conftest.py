@@ -96,6 +96,19 @@ def settings(**overrides) -> ServerSettings:
     return ServerSettings(**{**base, **overrides})
 
 
+@pytest.fixture(scope="module")
+def server(llm_engine):
+    """A module's live server with the default settings around ``llm_engine``; a module
+    that needs other settings or another engine defines its own ``server``."""
+    with LiveServer(settings(), llm_engine) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return server.client()
+
+
 def wait_idle(engine: LLMEngine, timeout: float = 20.0) -> None:
     """Until the engine has no request and every block is free (or fail)."""
     deadline = time.monotonic() + timeout

@@ -4,20 +4,9 @@ import json
 
 import pytest
 
-from tests.server.conftest import MODEL, LiveServer, settings, sse_events
+from tests.server.conftest import MODEL, sse_events
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def server(llm_engine):
-    with LiveServer(settings(), llm_engine) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
 
 
 def test_chat_has_openai_shape(client, llm_engine):

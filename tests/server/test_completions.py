@@ -4,20 +4,9 @@ import json
 
 import pytest
 
-from tests.server.conftest import MODEL, LiveServer, settings, sse_events
+from tests.server.conftest import MODEL, sse_events
 
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def server(llm_engine):
-    with LiveServer(settings(), llm_engine) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
 
 
 def test_completion_has_openai_shape(client):

@@ -3,15 +3,9 @@
 import httpx
 import pytest
 
-from tests.server.conftest import LiveServer, settings, wait_idle
+from tests.server.conftest import wait_idle
 
 LONG = {"prompt": "Tell me a long story about a dragon.", "max_tokens": 900, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def server(llm_engine):
-    with LiveServer(settings(), llm_engine) as s:
-        yield s
 
 
 def aborted(server) -> float:

@@ -8,15 +8,9 @@ import logging
 import pytest
 
 from server.logs import JsonFormatter, RequestIdFilter
-from tests.server.conftest import MODEL, LiveServer, settings
+from tests.server.conftest import MODEL
 
 SECRET_PROMPT = "My password is hunter2"
-
-
-@pytest.fixture(scope="module")
-def server(llm_engine):
-    with LiveServer(settings(), llm_engine) as s:
-        yield s
 
 
 @pytest.fixture

@@ -1,15 +1,8 @@
 """GET /metrics: Prometheus text with the serving metrics, counted as documented."""
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import MODEL, LiveServer, settings
-
-
-@pytest.fixture(scope="module")
-def server(llm_engine):
-    with LiveServer(settings(), llm_engine) as s:
-        yield s
+from tests.server.conftest import MODEL
 
 
 def scrape(server) -> dict[str, dict]:
