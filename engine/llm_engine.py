@@ -23,8 +23,8 @@ from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput, no_drafts
-from engine.spec_policy import SpecPolicy, linear_costs
-from engine.stats import StepTimes, make_step_stats, measure_verify_costs
+from engine.spec_policy import SpecPolicy, StepCosts
+from engine.stats import StepTimes, make_step_stats, measure_step_costs
 from engine.stop import holdback
 from kvcache import KVCacheManager, blocks_needed
 from kvcache.tensors import KVSpec, PagedKV
@@ -131,16 +131,20 @@ class LLMEngine:
         )
         k = sc.num_speculative_tokens
         if sc.verify_cost is not None:
-            costs = linear_costs(k, sc.verify_cost)
+            costs = StepCosts.linear(sc.verify_cost)
         else:
-            costs = measure_verify_costs(self.model, self.runner, k, spec.block_size, self.max_model_len)
-        log.info("speculation: %s, k=%d, draft cost %.3f per token, verify cost by drafts %s",
-                 sc.method, k, drafter.cost_per_token, " ".join(f"{c:.2f}" for c in costs))
+            max_rows = min(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs + k)
+            costs = measure_step_costs(self.model, self.runner, max_rows, spec.block_size, self.max_model_len)
+        log.info("speculation: %s, k=%d, draft cost %.3f per token; pass cost by tokens %s",
+                 sc.method, k, drafter.cost_per_token,
+                 " ".join(f"{r}:{c:.2f}" for r, c in zip(costs.rows, costs.costs)))
         return drafter, SpecPolicy(sc, drafter.cost_per_token, costs, self._context_class)
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self.step_fallbacks = 0
+        if self.policy is not None:
+            self.policy.begin_step(len(self.scheduler.running))
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []

@@ -7,9 +7,15 @@ tokens themselves, so it is non-anticipating and verification stays exact.
 
 Cost model, in target decode steps: a round with ``g`` drafts costs
 ``V(g) + g * c``, where ``c`` is the drafter's cost per token and ``V`` the
-cost of a target pass verifying ``g`` drafts (``V(0) = 1``), measured at
-start-up (on a CPU it is far from linear: padded kernels make 1 to ~8 drafts
-nearly free). It emits ``1 + a_1 + ... + a_g`` tokens on average, ``a_i`` being
+cost of verifying ``g`` drafts (``V(0) = 1``). ``V`` comes from ``T(R)``, the
+time of a target pass over ``R`` tokens, measured at start-up; it is far from
+linear (on a CPU, padded kernels make 1 to ~8 extra tokens nearly free, and a
+large batch is compute-bound). With ``n`` requests decoding, a request's share
+of a plain step is ``T(n) / n``, and ``g`` drafts add ``T(n + g) - T(n)``::
+
+    V(g) = 1 + (T(n + g) - T(n)) * n / T(n)
+
+so drafting that pays at batch 1 stops paying as the batch grows. A round emits ``1 + a_1 + ... + a_g`` tokens on average, ``a_i`` being
 the probability that the first ``i`` drafts are all accepted (the survival form
 of the reference; acceptance is far from i.i.d. for prompt lookup, where a
 draft that starts right tends to stay right).
@@ -23,6 +29,7 @@ that is below 1, that class of the request stops drafting for a while, then
 retries with a probe round.
 """
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -70,9 +77,29 @@ def best_gamma(
     return best
 
 
-def linear_costs(k: int, per_token: float, fixed: float = 0.0) -> list[float]:
-    """``[V(0) .. V(k)]`` for a pass costing ``1 + fixed + g * per_token`` with ``g >= 1`` drafts."""
-    return [1.0] + [1.0 + fixed + g * per_token for g in range(1, k + 1)]
+@dataclass(frozen=True)
+class StepCosts:
+    """``T(R)``: the time of a target pass over ``R`` tokens relative to one token,
+    measured at a few ``rows`` (increasing, from 1), linear in between and beyond."""
+
+    rows: tuple[int, ...]
+    costs: tuple[float, ...]  # non-decreasing, costs[0] = 1
+
+    @classmethod
+    def linear(cls, per_token: float) -> "StepCosts":
+        """Every extra token costs ``per_token`` of a one-token pass."""
+        return cls((1, 2), (1.0, 1.0 + per_token))
+
+    def __call__(self, rows: float) -> float:
+        r, c = self.rows, self.costs
+        i = min(max(bisect.bisect_right(r, rows) - 1, 0), len(r) - 2)
+        return c[i] + (c[i + 1] - c[i]) * (rows - r[i]) / (r[i + 1] - r[i])
+
+    def verify(self, drafts: int, batch: int) -> float:
+        """``V``: a round with ``drafts`` drafts for one of ``batch`` decoding requests,
+        in units of that request's share of a plain step."""
+        base = self(batch)
+        return 1.0 + (self(batch + drafts) - base) * batch / base
 
 
 @dataclass
@@ -124,24 +151,22 @@ def _no_classes(request: Request) -> int:
 
 
 class SpecPolicy:
-    """``verify_costs[g]``: cost of a pass verifying ``g`` drafts, ``g = 0 .. k``, in plain
-    decode steps. ``context_class(request)``: the drafter's class of the committed
-    context (an int), or None when the drafter has nothing to propose."""
+    """``step_costs``: ``T(R)`` of the target. ``context_class(request)``: the drafter's
+    class of the committed context (an int), or None when it has nothing to propose.
+    Call ``begin_step(n)`` with the number of decoding requests before scheduling."""
 
     def __init__(
         self,
         config: SpeculativeConfig,
         draft_cost: float,
-        verify_costs: list[float],
+        step_costs: StepCosts,
         context_class: Callable[[Request], int | None] = _no_classes,
     ):
-        k = config.num_speculative_tokens
-        if len(verify_costs) != k + 1:
-            raise ValueError(f"need verify costs for 0..{k} drafts, got {len(verify_costs)}")
         self.config = config
         self.c = draft_cost
-        self.costs = list(verify_costs)
+        self.step_costs = step_costs
         self.context_class = context_class
+        self.batch = self.rows = 1  # decoding requests in this step; tokens so far, drafts included
         self.step = 0
         self.states: dict[str, SpecState] = {}
         self.pooled: dict[int, ClassState] = {}  # class -> rates over all requests
@@ -149,9 +174,18 @@ class SpecPolicy:
     def state(self, request: Request) -> SpecState:
         return self.states.setdefault(request.request_id, SpecState())
 
-    def gain(self, rates: list[float], g: int) -> float:
-        """Tokens per step of cost with ``g`` drafts at conditional ``rates``."""
-        return expected_tokens(rates, g) / (self.costs[g] + g * self.c)
+    def begin_step(self, num_decoding: int) -> None:
+        """A step with ``num_decoding`` requests decoding starts; drafts granted in it add up."""
+        self.batch = self.rows = max(1, num_decoding)
+
+    def verify_cost(self, g: int) -> float:
+        """``V(g)`` for the next request of this step, the drafts granted before it counted."""
+        t = self.step_costs
+        return 1.0 + (t(self.rows + g) - t(self.rows)) * self.batch / t(self.batch)
+
+    def gain(self, rates: list[float], g: int, costs: list[float]) -> float:
+        """Tokens per step of cost with ``g`` drafts at conditional ``rates``; ``costs[g]`` = V(g)."""
+        return expected_tokens(rates, g) / (costs[g] + g * self.c)
 
     def num_draft_slots(self, request: Request) -> int:
         """Drafts to verify for ``request`` this step (0: plain decoding)."""
@@ -170,9 +204,10 @@ class SpecPolicy:
             cs = st.classes[key] = self._fresh(key)
         if self.step < cs.paused_until:
             return 0
-        rates = cs.estimate()
-        gamma = max(range(1, k + 1), key=lambda g: (self.gain(rates, g), -g))
-        if self.gain(rates, gamma) >= 1.0:
+        rates, costs = cs.estimate(), [self.verify_cost(g) for g in range(k + 1)]
+        gamma = max(range(1, k + 1), key=lambda g: (self.gain(rates, g, costs), -g))
+        if self.gain(rates, gamma, costs) >= 1.0:
+            self.rows += gamma
             return gamma
         self._pause(cs)
         return 0

@@ -4,10 +4,10 @@ and the start-up measurement of the verification cost used by the policy."""
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from engine.attention import SeqSpec, build_attention_metadata
+from engine.spec_policy import StepCosts
 
 
 @dataclass(frozen=True)
@@ -87,31 +87,31 @@ def make_step_stats(engine, scheduled, result, touched, times: StepTimes) -> Ste
 
 
 @torch.inference_mode()
-def measure_verify_costs(model, runner, k: int, block_size: int, max_len: int, repeats: int = 5) -> list[float]:
-    """``[V(0) .. V(k)]``: the cost of a pass verifying ``g`` drafts, in plain decode steps.
+def measure_step_costs(model, runner, max_rows: int, block_size: int, max_len: int, repeats: int = 4) -> StepCosts:
+    """``T(R)`` for ``R`` = 1, 2, 3, 5, 9, 17, 33, ... up to ``max_rows`` tokens in one pass.
 
-    Times passes over ``1 + g`` tokens for ``g`` in 0, 1, 2, 4, 8, ... and k, after
-    256 tokens of context, at batch 1, with logits for every row as verification
-    needs, in the (still empty) KV cache; interpolates linearly in between.
-    Call before serving.
+    Times passes of one request over ``R`` new tokens after 256 tokens of
+    context, with logits for every row as verification needs, in the (still
+    empty) KV cache. Call before serving.
     """
     device = runner.device
-    context = max(1, min(256, max_len - k - 1))
-    blocks = list(range(-(-(context + k + 1) // block_size)))
-    ids = torch.randint(0, model.config.vocab_size, (context + k + 1,), device=device)
+    max_rows = max(2, min(max_rows, max_len - 1))
+    context = max(1, min(256, max_len - max_rows))
+    blocks = list(range(-(-(context + max_rows) // block_size)))
+    ids = torch.randint(0, model.config.vocab_size, (context + max_rows,), device=device)
 
-    def run(start: int, n: int) -> float:
-        meta = build_attention_metadata([SeqSpec(start, n, blocks)], block_size, device)
-        pos = torch.arange(start, start + n, device=device)
+    def run(n: int) -> float:
+        meta = build_attention_metadata([SeqSpec(context, n, blocks)], block_size, device)
+        pos = torch.arange(context, context + n, device=device)
         t = time.perf_counter()
-        model.compute_logits(model(ids[start : start + n], pos, meta, runner.kv)).argmax(-1)
+        model.compute_logits(model(ids[context : context + n], pos, meta, runner.kv)).argmax(-1)
         return time.perf_counter() - t
 
-    run(0, context)
-    sizes = sorted({0, k} | {g for g in (1, 2, 4, 8, 16, 32, 64) if g < k})
+    meta = build_attention_metadata([SeqSpec(0, context, blocks)], block_size, device)
+    model(ids[:context], torch.arange(context, device=device), meta, runner.kv)
+    rows = sorted({r for r in (1, 2, 3, 5, 9, 17, 33, 65, 129, 257) if r < max_rows} | {max_rows})
     # Interleaved, and the minimum of each: robust to other work on a shared machine.
-    times = [[run(context, 1 + g) for g in sizes] for _ in range(repeats)]
-    best = [min(t[i] for t in times) for i in range(len(sizes))]
-    measured = [max(1.0, b / best[0]) for b in best]
-    measured = [max(measured[: i + 1]) for i in range(len(measured))]  # more drafts never cost less
-    return [float(np.interp(g, sizes, measured)) for g in range(k + 1)]
+    times = [[run(r) for r in rows] for _ in range(repeats)]
+    best = [min(t[i] for t in times) for i in range(len(rows))]
+    costs = [max(b / best[0] for b in best[: i + 1]) for i in range(len(rows))]  # more rows never cost less
+    return StepCosts(tuple(rows), tuple(costs))

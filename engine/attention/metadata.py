@@ -7,8 +7,10 @@ The step's tokens are one flat sequence, request after request::
 
 Each request ``r`` has ``context_len[r]`` tokens already in the KV cache and
 ``query_len[r]`` new ones. Requests whose query is long (prefill chunks) are
-attended one by one; the rest (decodes, draft chains and trees) are attended
-in one padded, masked batch.
+attended one by one; the rest (decodes, draft chains and trees) in padded,
+masked batches, one per query-length bucket (1, 2, 3-4, 5-8, ... tokens), so
+that a few requests verifying drafts do not pad every plain decode to their
+length.
 
 A request may carry a tree: ``parents[i]`` is the index (among its new tokens)
 of new token ``i``'s parent, -1 for a child of the last committed token. Token
@@ -62,7 +64,7 @@ class BatchedQuery:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] slot each new token's K/V is written to
     solo: list[SoloQuery] = field(default_factory=list)
-    batched: BatchedQuery | None = None
+    batched: list[BatchedQuery] = field(default_factory=list)  # one per query-length bucket
 
 
 def tree_mask(parents: tuple[int, ...]) -> np.ndarray:
@@ -143,10 +145,14 @@ def build_attention_metadata(specs: list[SeqSpec], block_size: int, device="cpu"
         [_slots(s.block_table, s.context_len + s.query_len, block_size)[s.context_len :] for s in specs]
     )
     meta = AttentionMetadata(torch.from_numpy(slot_mapping).to(device))
-    short = [i for i, s in enumerate(specs) if s.query_len <= MAX_BATCHED_QUERY]
+    buckets: dict[int, list[int]] = {}
     for i, s in enumerate(specs):
         if s.query_len > MAX_BATCHED_QUERY:
             meta.solo.append(_solo(s, starts[i], block_size, device))
-    if short:
-        meta.batched = _batched([specs[i] for i in short], [starts[i] for i in short], starts[-1], block_size, device)
+        else:
+            buckets.setdefault((s.query_len - 1).bit_length(), []).append(i)
+    for _, group in sorted(buckets.items()):
+        meta.batched.append(
+            _batched([specs[i] for i in group], [starts[i] for i in group], starts[-1], block_size, device)
+        )
     return meta

@@ -33,8 +33,7 @@ def paged_attention(q, k, v, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
             attn_mask=s.mask, is_causal=s.mask is None, enable_gqa=True,
         )
         out[s.start : s.end] = o.transpose(0, 1)
-    b = meta.batched
-    if b is not None:
+    for b in meta.batched:
         n, max_q = b.token_index.shape
         max_kv = b.kv_slots.shape[1]
         qb = q.index_select(0, b.token_index.view(-1)).view(n, max_q, *q.shape[1:]).transpose(1, 2)
@@ -43,6 +42,6 @@ def paged_attention(q, k, v, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
         o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask, enable_gqa=True)
         o = o.transpose(1, 2).reshape(n * max_q, *q.shape[1:])  # [n * max_q, H, D]
         if b.rows_are_tokens:
-            return o
+            return o  # the one batch holds every token of the step, in order
         out.index_copy_(0, b.valid_tokens, o.index_select(0, b.valid_rows))
     return out

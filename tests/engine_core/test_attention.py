@@ -44,16 +44,21 @@ def test_metadata_slot_mapping_worked_example():
     specs = [SeqSpec(0, 3, [5]), SeqSpec(4, 1, [2, 9]), SeqSpec(3, 2, [1, 0])]
     meta = build_attention_metadata(specs, block_size=4)
     assert meta.slot_mapping.tolist() == [20, 21, 22, 36, 7, 0]
-    assert meta.solo == []  # all short: one padded batch
-    b = meta.batched
-    assert b.token_index.shape == (3, 3)  # padded to the longest query
-    assert b.valid.tolist() == [[True, True, True], [True, False, False], [True, True, False]]
-    assert b.token_index[b.valid].tolist() == [0, 1, 2, 3, 4, 5]
+    assert meta.solo == []  # all short: padded batches, one per query-length bucket
+    one, two, three = meta.batched  # buckets of 1, 2 and 3-4 tokens: r1, r2, r0
+    assert one.token_index.tolist() == [[3]] and one.mask[0, 0, 0, :5].all()
+    assert two.token_index.tolist() == [[4, 5]] and three.token_index.tolist() == [[0, 1, 2]]
     # Chain rule, per request: row i sees positions 0 .. context_len + i.
-    mask = b.mask[:, 0]
-    assert mask[0, :3, :3].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
-    assert mask[1, 0, :5].all()
-    assert mask[2, :2, :5].int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert three.mask[0, 0, :3, :3].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert two.mask[0, 0, :2, :5].int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+
+
+def test_requests_of_one_bucket_are_padded_to_its_longest_query():
+    specs = [SeqSpec(0, 3, [5]), SeqSpec(4, 1, [2, 9]), SeqSpec(3, 4, [1, 0])]
+    b = build_attention_metadata(specs, block_size=4).batched[1]  # 3 and 4 tokens
+    assert b.token_index.shape == (2, 4)
+    assert b.valid.tolist() == [[True, True, True, False], [True, True, True, True]]
+    assert b.token_index[b.valid].tolist() == [0, 1, 2, 4, 5, 6, 7]
 
 
 def test_metadata_tree_mask_in_batch_and_long_queries_alone():
@@ -62,7 +67,7 @@ def test_metadata_tree_mask_in_batch_and_long_queries_alone():
     specs = [SeqSpec(2, 4, [3, 0], parents), SeqSpec(0, long, list(range(4, 4 + long // 4 + 1)))]
     meta = build_attention_metadata(specs, block_size=4)
     assert len(meta.solo) == 1 and (meta.solo[0].start, meta.solo[0].end) == (4, 4 + long)
-    mask = meta.batched.mask[0, 0, :4, :6].int()
+    mask = meta.batched[0].mask[0, 0, :4, :6].int()
     expected = np.ones((4, 6), dtype=int)
     expected[:, 2:] = tree_mask(parents)
     assert mask.tolist() == expected.tolist()

@@ -5,7 +5,7 @@ import pytest
 from engine.config import SpeculativeConfig
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.spec_policy import ClassState, SpecPolicy, best_gamma, expected_tokens, linear_costs, speedup, survival
+from engine.spec_policy import ClassState, SpecPolicy, StepCosts, best_gamma, expected_tokens, speedup, survival
 
 
 def test_reference_numbers():
@@ -28,7 +28,7 @@ def request() -> Request:
 
 
 def test_copying_raises_the_draft_length_and_misses_pause_drafting():
-    policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=8), 0.0, linear_costs(8, 0.05))
+    policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=8), 0.0, StepCosts.linear(0.05))
     req = request()
     first = policy.num_draft_slots(req)
     for _ in range(10):
@@ -45,13 +45,13 @@ def test_copying_raises_the_draft_length_and_misses_pause_drafting():
 
 def test_opt_out_and_fixed_length():
     req = Request("r", [1], SamplingParams(speculate=False), frozenset())
-    assert SpecPolicy(SpeculativeConfig(method="ngram"), 0.0, linear_costs(4, 0.05)).num_draft_slots(req) == 0
-    fixed = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False), 0.0, linear_costs(3, 9.0))
+    assert SpecPolicy(SpeculativeConfig(method="ngram"), 0.0, StepCosts.linear(0.05)).num_draft_slots(req) == 0
+    fixed = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False), 0.0, StepCosts.linear(9.0))
     assert fixed.num_draft_slots(request()) == 3
 
 
 def test_a_probe_after_a_pause_that_misses_pauses_again_at_once():
-    policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 0.0, linear_costs(4, 0.05, fixed=0.1))
+    policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 0.0, StepCosts.linear(0.05))
     req = request()
     while policy.num_draft_slots(req):
         policy.record(req, 4, 0)
@@ -67,7 +67,7 @@ def test_a_probe_after_a_pause_that_misses_pauses_again_at_once():
 def test_context_classes_keep_their_own_statistics_and_pool_across_requests():
     klass = {"r": 1, "t": 3}
     policy = SpecPolicy(
-        SpeculativeConfig(method="ngram", num_speculative_tokens=8), 0.0, linear_costs(8, 0.05),
+        SpeculativeConfig(method="ngram", num_speculative_tokens=8), 0.0, StepCosts.linear(0.05),
         context_class=lambda r: klass.get(r.request_id),
     )
     req = request()
@@ -91,7 +91,24 @@ def test_context_classes_keep_their_own_statistics_and_pool_across_requests():
 
 def test_a_nonlinear_cost_table_moves_the_choice():
     rates = [0.3] * 8
-    cheap_then_steep = [1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    cheap_then_steep = StepCosts((1, 5, 6, 9), (1.0, 1.0, 2.0, 2.0))  # 1-4 drafts free, then a step
     policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=8), 0.0, cheap_then_steep)
     policy.pooled[0] = ClassState(rates, tested=8)  # as if earlier requests had measured them
     assert policy.num_draft_slots(request()) == 4  # free drafts up to 4, then a step that doubles the cost
+
+
+def test_step_costs_interpolate_and_extrapolate():
+    t = StepCosts((1, 5, 17), (1.0, 1.2, 2.4))
+    assert t(1) == 1.0 and t(3) == pytest.approx(1.1) and t(11) == pytest.approx(1.8) and t(29) == pytest.approx(3.6)
+    assert t.verify(4, 1) == pytest.approx(1.2)
+    assert t.verify(4, 5) == pytest.approx(1 + (t(9) - 1.2) * 5 / 1.2)
+
+
+def test_drafting_that_pays_alone_stops_in_a_compute_bound_batch():
+    costs = StepCosts((1, 5, 17, 33), (1.0, 1.05, 2.0, 4.0))  # cheap extra tokens at batch 1, not at 16
+    policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 0.0, costs)
+    policy.pooled[0] = ClassState([0.6] * 4, tested=4)
+    policy.begin_step(1)
+    assert policy.num_draft_slots(request()) == 4
+    policy.begin_step(16)
+    assert policy.num_draft_slots(Request("s", [1], SamplingParams(), frozenset())) == 0
