@@ -137,16 +137,18 @@ class ModelRunner:
             for i, d in enumerate(drafts):
                 if d and d.probs is not None:
                     draft_probs[i, : k[i]] = d.probs
-        uniforms, noise = self._randomness(n, k_max, self._generators(requests))
+        uniforms, noise = self._randomness(k, self._generators(requests))
         greedy = torch.tensor([r.params.greedy for r in requests], device=self.device)
         return rejection_sample(probs, argmax, draft_ids, draft_probs, self._t(np.array(k)), greedy, uniforms, noise)
 
-    def _randomness(self, n: int, k_max: int, gens: list[torch.Generator | None]):
-        """Uniforms [n, k_max] and Exp(1) noise [n, vocab]; a seeded request's from its generator."""
+    def _randomness(self, k: list[int], gens: list[torch.Generator | None]):
+        """Uniforms [n, max(k)] and Exp(1) noise [n, vocab]. A seeded request draws its
+        own ``k[i]`` uniforms from its generator, so its draws do not depend on the batch."""
+        n, k_max = len(k), max(k)
         uniforms = torch.rand(n, k_max, device=self.device)
         for i, g in enumerate(gens):
             if g is not None:
-                uniforms[i] = torch.rand(k_max, generator=g, device=self.device)
+                uniforms[i, : k[i]] = torch.rand(k[i], generator=g, device=self.device)
         return uniforms, exponential_noise((n, self.vocab_size), gens, self.device)
 
     def _add_logprobs(self, result, logits, tokens, requests, top_n) -> None:

@@ -84,11 +84,14 @@ class StepCosts:
 
     rows: tuple[int, ...]
     costs: tuple[float, ...]  # non-decreasing, costs[0] = 1
+    # Price every request alone, as at batch 1, whatever the batch: the choices, and
+    # so a seeded request's random draws, then do not depend on the other requests.
+    per_request: bool = False
 
     @classmethod
     def linear(cls, per_token: float) -> "StepCosts":
-        """Every extra token costs ``per_token`` of a one-token pass."""
-        return cls((1, 2), (1.0, 1.0 + per_token))
+        """A pinned cost: every extra token costs ``per_token`` of a one-token pass, per request."""
+        return cls((1, 2), (1.0, 1.0 + per_token), per_request=True)
 
     def __call__(self, rows: float) -> float:
         r, c = self.rows, self.costs
@@ -181,6 +184,8 @@ class SpecPolicy:
     def verify_cost(self, g: int) -> float:
         """``V(g)`` for the next request of this step, the drafts granted before it counted."""
         t = self.step_costs
+        if t.per_request:
+            return t(1 + g)
         return 1.0 + (t(self.rows + g) - t(self.rows)) * self.batch / t(self.batch)
 
     def gain(self, rates: list[float], g: int, costs: list[float]) -> float:

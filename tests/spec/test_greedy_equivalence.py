@@ -117,6 +117,8 @@ def test_seeded_sampling_with_speculation_is_reproducible(method, default_engine
     first = run(make(default_engine, spec), prompts[:3], params)
     again = run(make(default_engine, spec), prompts[:3], params)
     assert first == again
+    alone = run(make(default_engine, spec), prompts[1:2], params)
+    assert alone == first[1:2]  # whatever the batch
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(default_engine, small_draft_model, tmp_path):
