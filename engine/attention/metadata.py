@@ -39,12 +39,14 @@ class SeqSpec:
 
 @dataclass
 class SoloQuery:
-    """A long query (prefill chunk) attended on its own."""
+    """A request attended on its own: a long query (prefill chunk), or the only one of its bucket."""
 
     start: int  # first flat token index
     end: int
-    kv_slots: torch.Tensor | None  # [context_len + query_len] slots; None: no prior context
-    mask: torch.Tensor | None  # [query_len, kv_len] bool, True = attend; None: plain causal
+    kv_slots: torch.Tensor | None  # [context_len + query_len] slots to gather; None: kv_span or no context
+    kv_span: tuple[int, int] | None  # (first slot, length) when the slots are contiguous: a view, no gather
+    mask: torch.Tensor | None  # [query_len, kv_len] bool, True = attend; None: see ``causal``
+    causal: bool  # with no mask: causal over the new tokens alone (True), or every key visible (False)
 
 
 @dataclass
@@ -99,13 +101,20 @@ def _slots(block_table: list[int], n: int, block_size: int) -> np.ndarray:
 def _solo(spec: SeqSpec, start: int, block_size: int, device) -> SoloQuery:
     end = start + spec.query_len
     if spec.context_len == 0 and spec.parents is None:
-        return SoloQuery(start, end, None, None)
+        return SoloQuery(start, end, None, None, None, causal=True)
     kv_len = spec.context_len + spec.query_len
-    slots = torch.from_numpy(_slots(spec.block_table, kv_len, block_size)).to(device)
+    blocks = spec.block_table[: -(-kv_len // block_size)]
+    slots = span = None
+    if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
+        span = (blocks[0] * block_size, kv_len)
+    else:
+        slots = torch.from_numpy(_slots(spec.block_table, kv_len, block_size)).to(device)
+    if spec.query_len == 1 and spec.parents is None:
+        return SoloQuery(start, end, slots, span, None, causal=False)  # one token sees everything
     mask = np.ones((spec.query_len, kv_len), dtype=bool)
     new = tree_mask(spec.parents) if spec.parents else np.tri(spec.query_len, dtype=bool)
     mask[:, spec.context_len :] = new
-    return SoloQuery(start, end, slots, torch.from_numpy(mask).to(device))
+    return SoloQuery(start, end, slots, span, torch.from_numpy(mask).to(device), causal=False)
 
 
 def _batched(specs: list[SeqSpec], starts: list[int], total_tokens: int, block_size: int, device) -> BatchedQuery:
@@ -152,7 +161,10 @@ def build_attention_metadata(specs: list[SeqSpec], block_size: int, device="cpu"
         else:
             buckets.setdefault((s.query_len - 1).bit_length(), []).append(i)
     for _, group in sorted(buckets.items()):
-        meta.batched.append(
-            _batched([specs[i] for i in group], [starts[i] for i in group], starts[-1], block_size, device)
-        )
+        if len(group) == 1:  # alone in its bucket: no padding, and often no gather
+            meta.solo.append(_solo(specs[group[0]], starts[group[0]], block_size, device))
+        else:
+            meta.batched.append(
+                _batched([specs[i] for i in group], [starts[i] for i in group], starts[-1], block_size, device)
+            )
     return meta

@@ -24,14 +24,16 @@ def paged_attention(q, k, v, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
     out = torch.empty_like(q)
     for s in meta.solo:
         qs = q[s.start : s.end].transpose(0, 1)  # [H, m, D]
-        if s.kv_slots is None:
-            ks, vs = k[s.start : s.end], v[s.start : s.end]
-        else:
+        if s.kv_span is not None:
+            ks, vs = k_flat.narrow(0, *s.kv_span), v_flat.narrow(0, *s.kv_span)
+        elif s.kv_slots is not None:
             ks, vs = k_flat.index_select(0, s.kv_slots), v_flat.index_select(0, s.kv_slots)
-        o = F.scaled_dot_product_attention(
-            qs, ks.transpose(0, 1), vs.transpose(0, 1),
-            attn_mask=s.mask, is_causal=s.mask is None, enable_gqa=True,
-        )
+        else:
+            ks, vs = k[s.start : s.end], v[s.start : s.end]
+        o = F.scaled_dot_product_attention(  # 4-D: CPU kernels for 3-D inputs are several times slower
+            qs[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+            attn_mask=s.mask, is_causal=s.causal, enable_gqa=True,
+        )[0]
         out[s.start : s.end] = o.transpose(0, 1)
     for b in meta.batched:
         n, max_q = b.token_index.shape

@@ -44,18 +44,20 @@ def test_metadata_slot_mapping_worked_example():
     specs = [SeqSpec(0, 3, [5]), SeqSpec(4, 1, [2, 9]), SeqSpec(3, 2, [1, 0])]
     meta = build_attention_metadata(specs, block_size=4)
     assert meta.slot_mapping.tolist() == [20, 21, 22, 36, 7, 0]
-    assert meta.solo == []  # all short: padded batches, one per query-length bucket
-    one, two, three = meta.batched  # buckets of 1, 2 and 3-4 tokens: r1, r2, r0
-    assert one.token_index.tolist() == [[3]] and one.mask[0, 0, 0, :5].all()
-    assert two.token_index.tolist() == [[4, 5]] and three.token_index.tolist() == [[0, 1, 2]]
-    # Chain rule, per request: row i sees positions 0 .. context_len + i.
-    assert three.mask[0, 0, :3, :3].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
-    assert two.mask[0, 0, :2, :5].int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert meta.batched == []  # each alone in its query-length bucket (1, 2, 3-4 tokens)
+    r0, r1, r2 = sorted(meta.solo, key=lambda q: q.start)
+    assert (r0.start, r0.end, r0.causal, r0.mask) == (0, 3, True, None)  # no context: plain causal
+    assert r1.kv_slots.tolist() == [8, 9, 10, 11, 36] and r1.mask is None and not r1.causal  # sees all
+    assert r2.kv_span is None and r2.kv_slots.tolist() == [4, 5, 6, 7, 0]
+    # Chain rule: row i sees positions 0 .. context_len + i.
+    assert r2.mask.int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    contiguous = build_attention_metadata([SeqSpec(4, 1, [6, 7])], block_size=4).solo[0]
+    assert contiguous.kv_span == (24, 5) and contiguous.kv_slots is None  # a view of slots 24..28
 
 
 def test_requests_of_one_bucket_are_padded_to_its_longest_query():
     specs = [SeqSpec(0, 3, [5]), SeqSpec(4, 1, [2, 9]), SeqSpec(3, 4, [1, 0])]
-    b = build_attention_metadata(specs, block_size=4).batched[1]  # 3 and 4 tokens
+    b = build_attention_metadata(specs, block_size=4).batched[0]  # 3 and 4 tokens; the decode is alone
     assert b.token_index.shape == (2, 4)
     assert b.valid.tolist() == [[True, True, True, False], [True, True, True, True]]
     assert b.token_index[b.valid].tolist() == [0, 1, 2, 4, 5, 6, 7]
@@ -64,7 +66,11 @@ def test_requests_of_one_bucket_are_padded_to_its_longest_query():
 def test_metadata_tree_mask_in_batch_and_long_queries_alone():
     parents = (-1, 0, 0, 1)
     long = MAX_BATCHED_QUERY + 1
-    specs = [SeqSpec(2, 4, [3, 0], parents), SeqSpec(0, long, list(range(4, 4 + long // 4 + 1)))]
+    specs = [
+        SeqSpec(2, 4, [3, 0], parents),
+        SeqSpec(0, long, list(range(4, 4 + long // 4 + 1))),
+        SeqSpec(1, 3, [1]),  # shares the tree's bucket (3-4 tokens), so both are batched
+    ]
     meta = build_attention_metadata(specs, block_size=4)
     assert len(meta.solo) == 1 and (meta.solo[0].start, meta.solo[0].end) == (4, 4 + long)
     mask = meta.batched[0].mask[0, 0, :4, :6].int()
@@ -110,13 +116,16 @@ CASES = [  # (context_len, query_len, parents or None for a chain)
 ]
 
 
-def test_paged_attention_matches_dense_reference():
+@pytest.mark.parametrize("contiguous", [False, True], ids=["scattered-blocks", "contiguous-blocks"])
+def test_paged_attention_matches_dense_reference(contiguous):
     gen = torch.Generator().manual_seed(0)
     rng = np.random.default_rng(0)
     num_heads, num_kv_heads, d, block_size = 4, 2, 8, 4
     specs, qs, ks, vs, refs = [], [], [], [], []
     need = [-(-(c + m) // block_size) for c, m, _ in CASES]
-    order = rng.permutation(sum(need) + 3).tolist()  # scattered, non-contiguous blocks
+    order = rng.permutation(sum(need) + 3).tolist()  # scattered blocks: gathered through slots
+    if contiguous:  # each request's blocks in a row: read as a view of the cache
+        order = list(range(sum(need) + 3))
     num_blocks = len(order)
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, d, generator=gen)  # garbage where unused
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, d, generator=gen)
@@ -134,7 +143,9 @@ def test_paged_attention_matches_dense_reference():
         qs.append(q), ks.append(k[c:]), vs.append(v[c:])
         refs.append(dense_attention(q, k, v, c, parents or tuple(range(-1, m - 1))))
     meta = build_attention_metadata(specs, block_size)
-    assert len(meta.solo) == 3
+    assert len(meta.solo) == 4 and len(meta.batched) == 2  # the decode is alone in its bucket
+    with_context = [q for q in meta.solo if q.kv_slots is not None or q.kv_span is not None]
+    assert all((q.kv_span is not None) == contiguous for q in with_context) and len(with_context) == 3
     out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), (k_cache, v_cache), meta)
     torch.testing.assert_close(out.double(), torch.cat(refs), atol=1e-5, rtol=1e-5)
     # The new K/V were written to their slots.
