@@ -15,10 +15,13 @@ of a plain step is ``T(n) / n``, and ``g`` drafts add ``T(n + g) - T(n)``::
 
     V(g) = 1 + (T(n + g) - T(n)) * n / T(n)
 
-so drafting that pays at batch 1 stops paying as the batch grows. A round emits ``1 + a_1 + ... + a_g`` tokens on average, ``a_i`` being
-the probability that the first ``i`` drafts are all accepted (the survival form
-of the reference; acceptance is far from i.i.d. for prompt lookup, where a
-draft that starts right tends to stay right).
+so drafting that pays at batch 1 stops paying as the batch grows (the drafts
+granted earlier in a step count in ``T`` for the requests after them).
+
+A round emits ``1 + a_1 + ... + a_g`` tokens on average, ``a_i`` being the
+probability that the first ``i`` drafts are all accepted (the survival form of
+the reference; acceptance is far from i.i.d. for prompt lookup, where a draft
+that starts right tends to stay right).
 
 Estimates of the conditional acceptance ``r_i = P(draft i accepted | drafts
 before it accepted)``, so that ``a_i = r_1 * ... * r_i``, are kept per request
@@ -98,11 +101,14 @@ class StepCosts:
         i = min(max(bisect.bisect_right(r, rows) - 1, 0), len(r) - 2)
         return c[i] + (c[i + 1] - c[i]) * (rows - r[i]) / (r[i + 1] - r[i])
 
-    def verify(self, drafts: int, batch: int) -> float:
-        """``V``: a round with ``drafts`` drafts for one of ``batch`` decoding requests,
-        in units of that request's share of a plain step."""
-        base = self(batch)
-        return 1.0 + (self(batch + drafts) - base) * batch / base
+    def verify(self, drafts: int, batch: int, rows: int | None = None) -> float:
+        """``V``: a round with ``drafts`` drafts for one of ``batch`` decoding requests, in
+        units of that request's share of a plain step; ``rows``: tokens already in the
+        pass (default ``batch``)."""
+        if self.per_request:
+            return self(1 + drafts)
+        rows = batch if rows is None else rows
+        return 1.0 + (self(rows + drafts) - self(rows)) * batch / self(batch)
 
 
 @dataclass
@@ -114,7 +120,6 @@ class ClassState:
     paused_until: int = 0  # step index before which this class does not draft
     pause_len: int = MIN_PAUSE
     probing: bool = False  # first round after a pause: a miss pauses again at once
-
 
     def estimate(self) -> list[float]:
         """The rates, with each untested position taking the last tested one's rate (a
@@ -183,10 +188,7 @@ class SpecPolicy:
 
     def verify_cost(self, g: int) -> float:
         """``V(g)`` for the next request of this step, the drafts granted before it counted."""
-        t = self.step_costs
-        if t.per_request:
-            return t(1 + g)
-        return 1.0 + (t(self.rows + g) - t(self.rows)) * self.batch / t(self.batch)
+        return self.step_costs.verify(g, self.batch, self.rows)
 
     def gain(self, rates: list[float], g: int, costs: list[float]) -> float:
         """Tokens per step of cost with ``g`` drafts at conditional ``rates``; ``costs[g]`` = V(g)."""

@@ -87,7 +87,7 @@ def make_step_stats(engine, scheduled, result, touched, times: StepTimes) -> Ste
 
 
 @torch.inference_mode()
-def measure_step_costs(model, runner, max_rows: int, block_size: int, max_len: int, repeats: int = 4) -> StepCosts:
+def measure_step_costs(model, runner, max_rows: int, block_size: int, max_len: int, repeats: int = 6) -> StepCosts:
     """``T(R)`` for ``R`` = 1, 2, 3, 5, 9, 17, 33, ... up to ``max_rows`` tokens in one pass.
 
     Times passes of one request over ``R`` new tokens after 256 tokens of
@@ -113,5 +113,6 @@ def measure_step_costs(model, runner, max_rows: int, block_size: int, max_len: i
     # Interleaved, and the minimum of each: robust to other work on a shared machine.
     times = [[run(r) for r in rows] for _ in range(repeats)]
     best = [min(t[i] for t in times) for i in range(len(rows))]
-    costs = [max(b / best[0] for b in best[: i + 1]) for i in range(len(rows))]  # more rows never cost less
+    # More rows never cost less: a slow outlier at some R is capped by the larger R after it.
+    costs = [max(1.0, min(best[i:]) / best[0]) for i in range(len(rows))]
     return StepCosts(tuple(rows), tuple(costs))
