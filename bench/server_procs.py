@@ -18,6 +18,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM, then SIGKILL if ``proc`` has not exited within ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout)
+
+
 @contextmanager
 def serve(extra_args: list[str], log_path: str, timeout: float = 300):
     """A ``specserve serve`` on 127.0.0.1; yields its base URL; terminates it on exit."""
@@ -41,11 +51,7 @@ def serve(extra_args: list[str], log_path: str, timeout: float = 300):
                 time.sleep(0.5)
             yield url
         finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc, 60)
 
 
 def scrape(url: str) -> dict[tuple, float]:

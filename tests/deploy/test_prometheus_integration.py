@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from bench.server_procs import free_port
+from bench.server_procs import free_port, stop
 from deploy.dashboard import ACCEPTED, DRAFTED, DRAFTS, acceptance_length, acceptance_rate
 from tests.deploy.conftest import tool
 from tests.deploy.test_prometheus import as_promql
@@ -117,12 +117,7 @@ def prometheus(prometheus_bin, server, tmp_path):
         prom.wait_ready(READY_TIMEOUT_S)
         yield prom
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop(proc, 10)
 
 
 def counters(server) -> dict[str, float]:
