@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 class DraftSlot:
     request: "Request"  # read-only: committed token_ids and sampling params
     num_tokens: int  # at most this many drafts (decided before drafting: non-anticipating)
+    # The target's block table, with KV slots reserved for the last committed token
+    # (at position len(request.token_ids) - 1) and the drafts after it. Only a drafter
+    # that shares the target's cache reads it.
+    block_table: tuple[int, ...] = ()
 
 
 @dataclass
@@ -66,7 +70,8 @@ def register(name: str):
 def build_drafter(spec_config, **context) -> Drafter:
     """The drafter named by ``spec_config.method``; ``context`` offers the target
     model, device, dtype, cache sizing, ... to factories that need them."""
-    import drafters.draft_model  # noqa: F401 - registers draft_model and early_exit
+    import drafters.draft_model  # noqa: F401 - registers draft_model
+    import drafters.early_exit  # noqa: F401 - registers early_exit
     import drafters.ngram  # noqa: F401 - registers ngram
 
     factory = _REGISTRY.get(spec_config.method)

@@ -1,4 +1,4 @@
-"""Drafting with a model: a separate small model, or the target's first layers.
+"""Drafting with a separate, smaller model that shares the target's tokenizer.
 
 The drafter keeps its own paged KV cache. Each step it first reads the
 committed tokens it has not seen (a new request's whole context; afterwards the
@@ -27,11 +27,49 @@ from kvcache import KVCacheManager
 from kvcache.tensors import KVSpec, PagedKV
 
 
-class ModelDrafter(Drafter):
+class SamplingDrafter(Drafter):
+    """A drafter that samples each draft from a model's processed distribution q."""
+
     deterministic = False
 
+    def __init__(self, device):
+        self.device = device
+        self.generators: dict[str, torch.Generator] = {}
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], drafts: dict[str, list[int]]):
+        """logits [n, vocab], one row per request -> (q [n, vocab], one draft token per request).
+
+        q is processed with each request's own settings, its earlier drafts in the context.
+        """
+        batch = build_sampling_batch(
+            requests,
+            logits.shape[-1],
+            self.device,
+            [self._generator(r) for r in requests],
+            [tuple(drafts[r.request_id]) for r in requests],
+        )
+        q = processed_probs(logits, batch)
+        sampled = (q / exponential_noise(q.shape, batch.generators, self.device)).argmax(-1)
+        tokens = torch.where(batch.greedy, penalized_logits(logits, batch).argmax(-1), sampled)
+        return q, tokens.tolist()
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        seed = request.params.seed
+        if seed is None or request.params.greedy:
+            return None
+        g = self.generators.get(request.request_id)
+        if g is None:  # a stream of its own, distinct from the target sampler's
+            g = self.generators[request.request_id] = torch.Generator(self.device).manual_seed(seed ^ 0x5DEECE66D)
+        return g
+
+    def free(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+
+class ModelDrafter(SamplingDrafter):
     def __init__(self, model, num_layers: int, num_blocks: int, block_size: int, dtype, device, cost_per_token: float):
-        self.model, self.num_layers, self.device = model, num_layers, device
+        super().__init__(device)
+        self.model, self.num_layers = model, num_layers
         self.block_size = block_size
         cfg = model.config
         spec = KVSpec(num_layers, cfg.num_key_value_heads, head_dim_of(cfg), block_size, dtype)
@@ -39,7 +77,6 @@ class ModelDrafter(Drafter):
         self.paged = PagedKV(spec, num_blocks, device)
         self.cost_per_token = cost_per_token
         self.cached: dict[str, list[int]] = {}  # request id -> tokens whose KV is in the draft cache
-        self.generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
     def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
@@ -82,27 +119,7 @@ class ModelDrafter(Drafter):
         hidden = self.model(t(ids), t(positions), meta, self.paged, num_layers=self.num_layers)
         last = np.cumsum([sp.query_len for sp in specs]) - 1
         logits = self.model.compute_logits(hidden[t(last)])  # [n, vocab]
-        requests = [s.request for s in live]
-        batch = build_sampling_batch(
-            requests,
-            logits.shape[-1],
-            self.device,
-            [self._generator(r) for r in requests],
-            [tuple(drafts[r.request_id]) for r in requests],
-        )
-        q = processed_probs(logits, batch)
-        sampled = (q / exponential_noise(q.shape, batch.generators, self.device)).argmax(-1)
-        tokens = torch.where(batch.greedy, penalized_logits(logits, batch).argmax(-1), sampled)
-        return q, tokens.tolist()
-
-    def _generator(self, request: Request) -> torch.Generator | None:
-        seed = request.params.seed
-        if seed is None or request.params.greedy:
-            return None
-        g = self.generators.get(request.request_id)
-        if g is None:  # a stream of its own, distinct from the target sampler's
-            g = self.generators[request.request_id] = torch.Generator(self.device).manual_seed(seed ^ 0x5DEECE66D)
-        return g
+        return self._sample(logits, [s.request for s in live], drafts)
 
     def commit(self, request: Request) -> None:
         cached = self.cached.get(request.request_id)
@@ -117,19 +134,9 @@ class ModelDrafter(Drafter):
         self.kv.truncate(request.request_id, keep)
 
     def free(self, request_id: str) -> None:
+        super().free(request_id)
         self.cached.pop(request_id, None)
-        self.generators.pop(request_id, None)
         self.kv.free(request_id)
-
-
-@register("early_exit")
-def _early_exit(spec, *, target, num_blocks, block_size, dtype, device, **_) -> ModelDrafter:
-    """Self-drafting: the target's first ``num_layers`` layers, its final norm and head."""
-    total = target.config.num_hidden_layers
-    layers = spec.num_layers or max(1, total // 4)
-    if not 1 <= layers < total:
-        raise ValueError(f"early_exit num_layers must be in [1, {total - 1}], got {layers}")
-    return ModelDrafter(target, layers, num_blocks, block_size, dtype, device, cost_per_token=layers / total)
 
 
 @register("draft_model")

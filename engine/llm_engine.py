@@ -127,7 +127,7 @@ class LLMEngine:
             return None, None
         drafter = drafter or build_drafter(
             sc, target=self.model, tokenizer=self.tokenizer, num_blocks=num_blocks,
-            block_size=spec.block_size, dtype=dtype, device=device,
+            block_size=spec.block_size, dtype=dtype, device=device, target_kv=self.paged_kv,
         )
         k = sc.num_speculative_tokens
         if sc.verify_cost is not None:
@@ -166,7 +166,7 @@ class LLMEngine:
             return {}
         for rid in scheduled.finished_ids:
             self.drafter.free(rid)
-        slots = [DraftSlot(s.request, s.num_draft_slots) for s in scheduled.scheduled if s.num_draft_slots]
+        slots = [DraftSlot(s.request, s.num_draft_slots, s.block_table) for s in scheduled.scheduled if s.num_draft_slots]
         if not slots:
             return {}
         try:

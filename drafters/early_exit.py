@@ -1,0 +1,66 @@
+"""Self-drafting: the target's first layers, its final norm and head, on the target's own KV cache.
+
+Layers ``0 .. L-1`` compute the same keys and values whichever pass runs them,
+so the drafter needs no cache of its own: it attends over the target's cache of
+the committed context and writes its entries into the slots the scheduler
+reserved for this round, those of the last committed token and of the drafts
+``d_1 .. d_{k-1}`` (``d_k`` is sampled, never fed)::
+
+    slots:   ... committed ... | t  d_1  d_2 ... d_k |
+    drafter writes (layers < L): t  d_1 ... d_{k-1}
+    verification writes (all layers): t  d_1 ... d_k, before any attention reads them
+
+Verification overwrites every entry the drafter wrote, so nothing of drafting
+survives a round: there is nothing to roll back, and nothing to catch up on
+after the speculation policy paused drafting.
+"""
+
+import torch
+
+from drafters.base import Draft, DraftSlot, register
+from drafters.draft_model import SamplingDrafter
+from engine.attention import SeqSpec, build_attention_metadata
+
+
+class EarlyExitDrafter(SamplingDrafter):
+    def __init__(self, target, kv, num_layers: int, block_size: int, device):
+        super().__init__(device)
+        self.model, self.target_kv, self.num_layers, self.block_size = target, kv, num_layers, block_size
+        self.cost_per_token = _cost_per_token(target, num_layers)
+
+    @torch.inference_mode()
+    def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
+        t = lambda a: torch.tensor(a, dtype=torch.long, device=self.device)  # noqa: E731
+        drafts: dict[str, list[int]] = {s.request.request_id: [] for s in slots}
+        probs: dict[str, list[torch.Tensor]] = {s.request.request_id: [] for s in slots}
+        for step in range(max((s.num_tokens for s in slots), default=0)):
+            live = [s for s in slots if step < s.num_tokens]
+            fed = [drafts[s.request.request_id][-1] if step else s.request.token_ids[-1] for s in live]
+            pos = [len(s.request.token_ids) - 1 + step for s in live]
+            meta = build_attention_metadata(
+                [SeqSpec(p, 1, list(s.block_table)) for s, p in zip(live, pos)], self.block_size, self.device
+            )
+            hidden = self.model(t(fed), t(pos), meta, self.target_kv, num_layers=self.num_layers)  # [n, hidden]
+            q, tokens = self._sample(self.model.compute_logits(hidden), [s.request for s in live], drafts)
+            for i, s in enumerate(live):
+                drafts[s.request.request_id].append(tokens[i])
+                probs[s.request.request_id].append(q[i])
+        return {rid: Draft(toks, torch.stack(probs[rid])) for rid, toks in drafts.items() if toks}
+
+
+def _cost_per_token(target, num_layers: int) -> float:
+    """One draft's weight reads over a decode step's: ``L`` layers plus the head, of all layers
+    plus the head (a decode step streams the weights once)."""
+    layer = sum(p.numel() for p in target.layers[0].parameters())
+    head = target.lm_head.weight.numel()
+    return (num_layers * layer + head) / (len(target.layers) * layer + head)
+
+
+@register("early_exit")
+def _early_exit(spec, *, target, target_kv, block_size, device, **_) -> EarlyExitDrafter:
+    """Self-drafting: the target's first ``num_layers`` layers, its final norm and head."""
+    total = target.config.num_hidden_layers
+    layers = spec.num_layers or max(1, total // 4)
+    if not 1 <= layers < total:
+        raise ValueError(f"early_exit num_layers must be in [1, {total - 1}], got {layers}")
+    return EarlyExitDrafter(target, target_kv, layers, block_size, device)
