@@ -1,6 +1,6 @@
 """Speculative decoding per Spec-Bench category: plain vs ngram vs early_exit.
 
-    .venv/bin/python -m bench.spec [--prompts 2] [--max-tokens 256]
+    .venv/bin/python -m bench.spec [--prompts 5] [--mt-prompts 2] [--max-tokens 256]
 
 Three ``specserve serve`` processes on loopback (one per method, all fp32 on
 the CPU, batch 1) answer the same prompts in turn, prompt by prompt, so that the
@@ -8,7 +8,7 @@ ratios are measured side by side. Acceptance figures come from each server's
 /metrics (the counters the Grafana dashboard reads), as deltas per category.
 
 Columns: end-to-end tokens/s (prompt processing included) and its speedup over
-plain; mean acceptance length (1 + accepted / drafting rounds); acceptance by
+plain, over the category's prompts together and prompt by prompt (min-max); mean acceptance length (1 + accepted / drafting rounds); acceptance by
 draft position (share of rounds whose first i drafts were all accepted); the
 measured decode-phase speedup against the ideal one from the reference's
 formula, ``S = n / (g c + V)`` per decode step, with the measured acceptance
@@ -32,12 +32,12 @@ METHODS = {
 MT_BENCH = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
 
 
-def categories(n: int) -> dict[str, list[str]]:
+def categories(n: int, n_mt: int) -> dict[str, list[str]]:
     cats = {"code-edit": [code_edit_prompt()]}
     for c in ("summarization", "rag", "translation", "qa", "math_reasoning"):
         cats[c] = spec_bench(c, n)
     for c in MT_BENCH:  # the target holds per MT-Bench category: one row each
-        cats[f"mt-bench/{c}"] = spec_bench(c, 1)
+        cats[f"mt-bench/{c}"] = spec_bench(c, n_mt)
     return cats
 
 
@@ -68,7 +68,7 @@ def delta(after: dict, before: dict) -> dict:
 
 
 def run(args) -> dict:
-    cats = categories(args.prompts)
+    cats = categories(args.prompts, args.mt_prompts)
     k_max = max((m or {}).get("num_speculative_tokens", 0) for m in METHODS.values())
     results: dict = defaultdict(dict)  # [category][method] -> figures
     from contextlib import ExitStack
@@ -104,7 +104,7 @@ def summarize_category(by_method: dict) -> tuple[list[list], dict]:
     for m, r in by_method.items():
         x = r["metrics"]
         tokens = sum(run["usage"]["completion_tokens"] for run in r["runs"])
-        row = [m, tokens, e2e[m], e2e[m] / e2e["plain"]]
+        row = [m, tokens, e2e[m], e2e[m] / e2e["plain"], _spread(r["runs"], plain["runs"])]
         if m == "plain" or not x["drafts"]:
             rows.append(row + ["-", "-", dec[m] / dec["plain"], "-", "-"])
             continue
@@ -119,6 +119,12 @@ def summarize_category(by_method: dict) -> tuple[list[list], dict]:
     return rows, per_pos
 
 
+def _spread(runs: list[dict], plain_runs: list[dict]) -> str:
+    """Min-max over prompts of the end-to-end speedup against plain on the same prompt."""
+    speed = [_rate([r], "total_s", 0) / _rate([p], "total_s", 0) for r, p in zip(runs, plain_runs)]
+    return f"{min(speed):.2f}-{max(speed):.2f}" if len(speed) > 1 else "-"
+
+
 def _k(x: dict) -> int:
     return max((i + 1 for i, p in enumerate(x["per_pos"]) if p > 0), default=0)
 
@@ -129,7 +135,7 @@ def _rate(runs: list[dict], key: str, minus: int) -> float:
 
 
 def report(results: dict, args) -> None:
-    header = ["category", "method", "tokens", "tok/s (e2e)", "speedup", "mean acc. length",
+    header = ["category", "method", "tokens", "tok/s (e2e)", "speedup", "per prompt", "mean acc. length",
               "acceptance by position", "decode speedup", "ideal (formula)", "cost g·c + V"]
     rows, per_pos_all = [], {}
     for cat, by_method in results.items():
@@ -141,7 +147,7 @@ def report(results: dict, args) -> None:
     body += ("\n\nSpeedups are against plain decoding on the same prompts in the same run; "
              "`ideal` is the reference's S = n / (g c + V) with the measured tokens per decode step n and "
              "the measured per-step drafting and verification costs (in plain decode steps).")
-    cmd = f"python -m bench.spec --prompts {args.prompts} --max-tokens {args.max_tokens}"
+    cmd = f"python -m bench.spec --prompts {args.prompts} --mt-prompts {args.mt_prompts} --max-tokens {args.max_tokens}"
     write_report("spec", "Speculative decoding by Spec-Bench category (batch 1, greedy)", body, cmd)
     plot(results, per_pos_all)
 
@@ -192,7 +198,8 @@ def plot(results: dict, per_pos_all: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=2, help="prompts per category")
+    ap.add_argument("--prompts", type=int, default=5, help="prompts per Spec-Bench category")
+    ap.add_argument("--mt-prompts", type=int, default=2, help="prompts per MT-Bench category")
     ap.add_argument("--max-tokens", type=int, default=256)
     args = ap.parse_args()
     results = run(args)
