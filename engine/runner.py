@@ -107,10 +107,9 @@ class ModelRunner:
         rr, rp = self._t(row_req), self._t(row_pos)
         argmax = torch.zeros(n, k_max + 1, dtype=torch.long, device=self.device)
         argmax[rr, rp] = penalized_logits(logits, batch).argmax(-1)
-        draft_ids = torch.full((n, k_max), PLACEHOLDER, dtype=torch.long, device=self.device)
-        for i, d in enumerate(drafts):
-            if d:
-                draft_ids[i, : k[i]] = torch.tensor(d.token_ids, device=self.device)
+        ids = np.full((n, k_max), PLACEHOLDER, dtype=np.int64)
+        ids[row_req[row_pos > 0], row_pos[row_pos > 0] - 1] = [t for d in drafts if d for t in d.token_ids]
+        draft_ids = self._t(ids)  # [n, k_max]
         if batch.all_greedy:
             out, accepted = greedy_verify(argmax, draft_ids)
         else:
