@@ -213,11 +213,13 @@ class SpecPolicy:
             return 0
         rates, costs = cs.estimate(), [self.verify_cost(g) for g in range(k + 1)]
         gamma = max(range(1, k + 1), key=lambda g: (self.gain(rates, g, costs), -g))
-        if self.gain(rates, gamma, costs) >= 1.0:
-            self.rows += gamma
-            return gamma
-        self._pause(cs)
-        return 0
+        if self.gain(rates, gamma, costs) < 1.0:
+            if not cs.probing:
+                self._pause(cs, key)
+                return 0
+            gamma = 1  # a probe after a pause: the cheapest test of whether drafts pay again
+        self.rows += gamma
+        return gamma
 
     def _fresh(self, key: int) -> ClassState:
         """A request's first record of a class: the pooled one's rates, else the prior."""
@@ -226,12 +228,12 @@ class SpecPolicy:
             return ClassState([PRIOR_ACCEPTANCE] * self.config.num_speculative_tokens)
         return ClassState(list(pooled.rates), pooled.tested)
 
-    def _pause(self, cs: ClassState) -> None:
+    def _pause(self, cs: ClassState, key: int) -> None:
         cs.paused_until = self.step + cs.pause_len
         cs.pause_len = min(2 * cs.pause_len, MAX_PAUSE)
-        cs.rates = [PRIOR_ACCEPTANCE] * self.config.num_speculative_tokens  # the retry starts from the prior ...
-        cs.tested = 0
-        cs.probing = True  # ... for one round only, unless it accepts something
+        fresh = self._fresh(key)  # the retry starts from what this class does over all requests,
+        cs.rates, cs.tested = fresh.rates, fresh.tested
+        cs.probing = True  # with at least one draft, and one round only unless it accepts something
 
     def is_paused(self, request_id: str) -> bool:
         """The request's current context class does not draft for now (drafts did not pay)."""
@@ -256,7 +258,7 @@ class SpecPolicy:
             cs.pause_len = MIN_PAUSE
             cs.probing = False
         elif cs.probing:
-            self._pause(cs)
+            self._pause(cs, key)
 
     def end_step(self) -> None:
         self.step += 1

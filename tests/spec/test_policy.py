@@ -64,6 +64,26 @@ def test_a_probe_after_a_pause_that_misses_pauses_again_at_once():
     assert policy.is_paused("r") and policy.states["r"].classes[0].pause_len == 32
 
 
+def test_a_costly_drafter_probes_with_one_draft_and_one_lucky_hit_does_not_restart_it():
+    # Drafts cost 0.4 of a step each and are right 10% of the time: they never pay.
+    policy = SpecPolicy(SpeculativeConfig(method="early_exit", num_speculative_tokens=3), 0.4, StepCosts.linear(0.0))
+    req = request()
+    policy.num_draft_slots(req)
+    for i in range(100):  # a long record over all requests of the class
+        policy.record(req, 1, int(i % 10 == 0))
+        policy.end_step()
+    assert policy.pooled[0].rates[0] < 0.2
+    st = policy.states["r"].classes[0]
+    policy.num_draft_slots(req)
+    while policy.is_paused("r"):
+        policy.end_step()
+    assert st.probing and policy.num_draft_slots(req) == 1  # the probe: one draft, whatever the estimate
+    policy.record(req, 1, 1)  # it happens to be accepted ...
+    policy.end_step()
+    assert policy.num_draft_slots(req) == 0  # ... but the class's record still says drafts do not pay
+    assert st.paused_until == policy.step + 8  # and the hit shortened the pause: the next probe comes soon
+
+
 def test_context_classes_keep_their_own_statistics_and_pool_across_requests():
     klass = {"r": 1, "t": 3}
     policy = SpecPolicy(
