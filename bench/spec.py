@@ -8,8 +8,9 @@ ratios are measured side by side. Acceptance figures come from each server's
 /metrics (the counters the Grafana dashboard reads), as deltas per category.
 
 Columns: end-to-end tokens/s (prompt processing included) and its speedup over
-plain, over the category's prompts together and prompt by prompt (min-max); mean acceptance length (1 + accepted / drafting rounds); acceptance by
-draft position (share of rounds whose first i drafts were all accepted); the
+plain, over the category's prompts together and prompt by prompt (min-max);
+mean acceptance length (1 + accepted / drafting rounds); acceptance by draft
+position (share of rounds whose first i drafts were all accepted); the
 measured decode-phase speedup against the ideal one from the reference's
 formula, ``S = n / (g c + V)`` per decode step, with the measured acceptance
 (n tokens per step), the measured drafting cost ``g c`` and verification
