@@ -13,7 +13,7 @@ import typing
 
 from pydantic import ValidationError
 
-from server.settings import ServerSettings
+from server import openmp
 
 
 def _fetch_model(args) -> int:
@@ -36,6 +36,7 @@ def _generate(args) -> int:
 
 def _serve(args) -> int:
     from server.run import run_server
+    from server.settings import ServerSettings
 
     flags = {k: v for k, v in vars(args).items() if k in ServerSettings.model_fields}
     try:
@@ -58,6 +59,8 @@ def _json_object(text: str) -> dict:
 
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per settings field; unset flags stay out of the namespace (env / default apply)."""
+    from server.settings import ServerSettings
+
     for name, field in ServerSettings.model_fields.items():
         kwargs: dict = {"dest": name, "default": argparse.SUPPRESS}
         ann = field.annotation
@@ -95,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point. Run as a command (before torch is imported), it first re-runs
+    itself with Intel's OpenMP preloaded (``server.openmp``)."""
+    openmp.ensure("server.cli", sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     return args.func(args)
 

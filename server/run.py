@@ -21,6 +21,7 @@ import socket
 import uvicorn
 from fastapi import FastAPI
 
+from server import openmp
 from server.app import create_app
 from server.logs import configure_logging
 from server.settings import ServerSettings
@@ -69,6 +70,7 @@ def _on_sigterm(signum, frame) -> None:
 def run_server(settings: ServerSettings) -> int:
     """Serve until SIGTERM / SIGINT; returns the process exit status (0 after a SIGTERM drain)."""
     configure_logging(settings.log_level, settings.log_format)
+    log.info("CPU threading: %s", openmp.describe())
     server = build_server(settings)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
