@@ -152,8 +152,7 @@ class AsyncEngine:
             error = f"internal error: {type(e).__name__}"
             outputs = self.engine.fail_requests(list(self.engine.scheduler.running), error)
             outputs += self._lost_in_step(outputs, error)
-        for out in outputs:
-            self._deliver(out)
+        self._deliver_step(outputs)
 
     def _lost_in_step(self, failed: list[RequestOutput], error: str) -> list[RequestOutput]:
         """Requests that ended inside a step that then raised: the engine no longer
@@ -165,6 +164,26 @@ class AsyncEngine:
             for rid in self._streams
             if rid not in requests and rid not in done
         ]
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, handed to each event loop in one call: one wake-up of
+        the loop per step, not one per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Add, RequestOutput]]] = {}
+        for out in outputs:
+            msg = self._streams.get(out.request_id)
+            if msg is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            by_loop.setdefault(msg.loop, []).append((msg, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # "Event loop is closed": nobody can read these streams any more
+                for msg, out in items:
+                    if not out.finished:
+                        self._streams.pop(out.request_id, None)
+                        self.engine.abort_request(out.request_id)
 
     def _deliver(self, out: RequestOutput) -> None:
         msg = self._streams.get(out.request_id)
@@ -191,6 +210,12 @@ class AsyncEngine:
                 log.exception("could not abort %s", rid)
             _send(msg, error)
         self._streams.clear()
+
+
+def _put_all(items: list[tuple[_Add, RequestOutput]]) -> None:
+    """On the event loop: one step's outputs onto their streams."""
+    for msg, out in items:
+        msg.stream.put_nowait(out)
 
 
 def _send(msg: _Add, item) -> bool:

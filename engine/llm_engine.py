@@ -71,7 +71,8 @@ class LLMEngine:
         self.stat_loggers: list = []  # callables taking each step's StepStats
         self.fault_hook: FaultHook | None = None
         self.step_fallbacks = 0  # 1 when the drafter failed in the current step
-        log.info("engine ready: %d KV blocks of %d tokens on %s (%s)", num_blocks, spec.block_size, device, dtype)
+        log.info("engine ready: %d KV blocks of %d tokens on %s (%s); matmul inputs padded to %d rows",
+                 num_blocks, spec.block_size, device, dtype, getattr(model, "min_rows", 1))
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False)

@@ -10,14 +10,15 @@ output dimension; ``load(shard_id, full_weight)`` copies this rank's slice of
 one of them into place.
 
 On the CPU in float32, ``prepack()`` (called once after loading) reorders each
-weight into oneDNN's blocked layout; its skinny GEMM then streams the weights
-at close to memory bandwidth. The reorder's batch-size hint picks the kernel:
-measured here on SmolLM2's 30 layers (`python -m bench.kernels`), a hint of
-16 runs 1 row in 18-20 ms, 4 rows in 14-17 ms and 11 rows in 19-21 ms, where
-a hint of 1 takes 21, 26-28 and 33-34 ms and ``F.linear`` 35, 48 and 87 ms.
-So verification passes cost little more than a decode step; inputs of 1-3
-rows are padded to 4, the cheapest size.
+weight into oneDNN's blocked layout with a batch-size hint of 16; its skinny
+GEMM then streams the weights faster than ``F.linear`` (`python -m
+bench.kernels`). Whether 1-3 rows run faster padded to 4 depends on the CPU:
+the previous bench machine ran 4 rows in 14.6 ms and 1 row in 17.6 ms over
+SmolLM2's 30 layers, this one 1 row in 30 ms and 4 rows in 37 ms. So
+``calibrate_min_rows`` times the model's own matmuls at start-up and picks.
 """
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,7 @@ from engine.parallel import SINGLE, TPGroup
 
 
 PACK_BATCH_HINT = 16
-MIN_PACKED_ROWS = 4
+PAD_CANDIDATES = (1, 2, 4)  # inputs with fewer rows than the chosen one are padded up to it
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -44,6 +45,7 @@ class PackedLinear(nn.Module):
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
+    min_rows: int = 1  # pad inputs of fewer rows to this many (set by calibrate_min_rows)
 
     def prepack(self) -> None:
         """Reorder the weight once for oneDNN (CPU, float32); call after the weights are loaded."""
@@ -54,11 +56,33 @@ class PackedLinear(nn.Module):
         """x [T, in] -> [T, out]."""
         if self.packed is not None:
             rows = x.shape[0]
-            if rows < MIN_PACKED_ROWS:  # oneDNN's kernel for 1-2 rows is slower than for 4
-                x = torch.cat([x, x.new_zeros(MIN_PACKED_ROWS - rows, x.shape[1])])
+            if rows < self.min_rows:
+                x = torch.cat([x, x.new_zeros(self.min_rows - rows, x.shape[1])])
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-            return y[:rows] if rows < MIN_PACKED_ROWS else y
+            return y[:rows] if rows < self.min_rows else y
         return F.linear(x, self.weight)
+
+
+@torch.inference_mode()
+def calibrate_min_rows(layers: list[PackedLinear], repeats: int = 5) -> int:
+    """Times one row through every packed layer, padded to each of ``PAD_CANDIDATES``
+    rows (interleaved, best of ``repeats``), and sets the fastest as every layer's
+    ``min_rows``. Returns it (1 when nothing is packed)."""
+    layers = [m for m in layers if m.packed is not None]
+    if not layers:
+        return 1
+    inputs = {(c, m.weight.shape[1]): torch.randn(c, m.weight.shape[1]) for c in PAD_CANDIDATES for m in layers}
+    best = dict.fromkeys(PAD_CANDIDATES, float("inf"))
+    for _ in range(repeats):
+        for c in PAD_CANDIDATES:
+            t = time.perf_counter()
+            for m in layers:
+                torch.ops.mkldnn._linear_pointwise(inputs[c, m.weight.shape[1]], m.packed, None, "none", [], "")
+            best[c] = min(best[c], time.perf_counter() - t)
+    chosen = min(PAD_CANDIDATES, key=best.get)
+    for m in layers:
+        m.min_rows = chosen
+    return chosen
 
 
 class ColumnParallelLinear(PackedLinear):

@@ -18,6 +18,7 @@ from engine.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    calibrate_min_rows,
 )
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
@@ -98,6 +99,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, tp: TPGroup = SINGLE, max_positions: int | None = None):
         super().__init__()
         self.config = config
+        self.min_rows = 1  # CPU matmul inputs of fewer rows are padded (set by prepack)
         max_positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
@@ -118,10 +120,12 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden)
 
     def prepack(self) -> None:
-        """Weights are final: let the linear layers reorder them for the CPU kernels."""
-        for module in self.modules():
-            if isinstance(module, PackedLinear):
-                module.prepack()
+        """Weights are final: let the linear layers reorder them for the CPU kernels,
+        and time whether short inputs run faster padded (``calibrate_min_rows``)."""
+        linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
+        for module in linears:
+            module.prepack()
+        self.min_rows = calibrate_min_rows(linears)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, vocab] in float32."""
