@@ -186,6 +186,7 @@ def test_greedy_outputs_are_the_same_with_the_cache_on_and_off(make_engine, mode
     assert run_in_turns(on_engine, prompts, params) == off
     assert sum(h for _, h in hits) > 0
     assert on_engine.policy is None or sum(drafted) > 0
+    assert "num_blocks" not in kw or on_engine.scheduler.num_preemptions > 0
     assert on_engine.kv_manager.pool.num_cached_blocks > 0  # and still all free: checked by make_engine
 
 
