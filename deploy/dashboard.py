@@ -15,6 +15,7 @@ aggregates across replicas::
     acceptance at position i accepted at i / drafting rounds
     rejected tokens          drafted - accepted
     draft share of output    accepted draft tokens / generation tokens
+    prefix cache hit rate    prefix-cache hit tokens / queried tokens
 
 Time-series panels use ``rate(...[$__rate_interval])``; the summary stats at the
 top use ``increase(...[$__range])`` over the whole time range shown.
@@ -41,6 +42,8 @@ DRAFTED = "specserve_spec_decode_num_draft_tokens_total"
 DRAFTS = "specserve_spec_decode_num_drafts_total"
 PER_POS = "specserve_spec_decode_num_accepted_tokens_per_pos_total"
 GENERATED = "specserve_generation_tokens_total"
+PREFIX_HITS = "specserve_prefix_cache_hits_total"
+PREFIX_QUERIES = "specserve_prefix_cache_queries_total"
 
 
 # -- PromQL --------------------------------------------------------------------
@@ -238,6 +241,10 @@ def serving_panels() -> list[dict]:
         ], min=0),
         timeseries("KV cache usage", "Share of KV-cache blocks in use, per replica.",
                    [target(f"specserve_kv_cache_usage_perc{{{SERVING}}}", "{{model_name}} {{instance}}")], "percentunit", min=0, max=1),
+        timeseries("Prefix cache hit rate", "Tokens of admitted requests found in the prefix cache / tokens looked up "
+                   "(no data with prefix caching off).",
+                   [target(ratio(PREFIX_HITS, PREFIX_QUERIES, SERVING, "model_name"), "{{model_name}}")],
+                   "percentunit", min=0, max=1),
         timeseries("Preemptions per second", "Requests preempted because the KV cache was full.",
                    [target(agg("specserve_num_preemptions_total", SERVING, "model_name"), "{{model_name}}")], min=0),
     ]

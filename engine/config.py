@@ -33,6 +33,7 @@ class CacheConfig:
     block_size: int = 16
     memory_bytes: int = 1 << 30  # KV-cache budget; ignored when num_blocks is set
     num_blocks: int | None = None
+    enable_prefix_caching: bool = True  # share full blocks of verified tokens between requests (kvcache.manager)
 
     def __post_init__(self):
         if self.block_size < 1 or (self.num_blocks is not None and self.num_blocks < 1):

@@ -61,7 +61,7 @@ class LLMEngine:
                 f"the KV cache holds {num_blocks * spec.block_size} tokens, fewer than max_model_len="
                 f"{self.max_model_len}; raise the KV-cache budget or lower max_model_len"
             )
-        self.kv_manager = KVCacheManager(num_blocks, spec.block_size)
+        self.kv_manager = KVCacheManager(num_blocks, spec.block_size, config.cache.enable_prefix_caching)
         self.paged_kv = PagedKV(spec, num_blocks, device)
         self.runner = ModelRunner(model, self.paged_kv, spec.block_size, device, config.model.seed)
         self.drafter, self.policy = self._speculation(config, num_blocks, spec, device, dtype, drafter)

@@ -11,6 +11,12 @@ budget, ``max_num_seqs`` and free blocks allow. When a running request cannot
 get blocks, the newest running request is preempted: its blocks are freed, its
 computed count drops to zero, and it goes back to the front of the waiting
 queue, to be recomputed from its tokens (prompt and output so far).
+
+Prefix caching is one more count: at admission a request (new, or resumed
+after preemption) starts with ``num_computed_tokens`` = the tokens of its
+longest cached prefix of full blocks, whose blocks it shares
+(``KVCacheManager.find_cached_prefix``), and computes only the rest. After
+each step the full blocks of its verified tokens are registered for others.
 """
 
 import time
@@ -43,6 +49,9 @@ class SchedulerOutput:
     scheduled: tuple[ScheduledRequest, ...]
     preempted_ids: tuple[str, ...] = ()
     finished_ids: tuple[str, ...] = ()  # ended since the last step: the runner drops their state
+    # Prefix cache, for metrics: tokens of the requests admitted this step, and how many were cached.
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -125,23 +134,38 @@ class Scheduler:
             scheduled.append(self._scheduled(req, n, k))
             budget -= n + k
             i += 1
+        queries = hits = 0
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = self.kv.num_new_blocks(req.request_id, req.num_computed_tokens + n)
-            if need > self.kv.num_free_blocks - self.watermark and self.running:
+            n = self._admit(req, budget)
+            if n is None:
                 break
-            if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
-                break
-            self.waiting.popleft()
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            if self.kv.enable_prefix_caching:
+                queries, hits = queries + req.num_tokens, hits + req.num_computed_tokens
             scheduled.append(self._scheduled(req, n))
             budget -= n
         finished, self._finished_ids = tuple(self._finished_ids), []
-        return SchedulerOutput(tuple(scheduled), tuple(preempted), finished)
+        return SchedulerOutput(tuple(scheduled), tuple(preempted), finished, queries, hits)
+
+    def _admit(self, req: Request, budget: int) -> int | None:
+        """Move the first waiting request (new or preempted: nothing computed, no
+        blocks) to running, computed up to its cached prefix. Returns how many
+        tokens it computes this step; None, changing nothing, when blocks are short."""
+        cached = self.kv.find_cached_prefix(req.request_id, req.token_ids)
+        start = len(cached) * self.kv.block_size
+        n = min(req.num_tokens - start, budget)
+        need = self.kv.num_new_blocks(req.request_id, start + n, cached)
+        if need > self.kv.num_free_blocks - self.watermark and self.running:
+            return None
+        if not self.kv.allocate_slots(req.request_id, start + n, cached):
+            return None
+        self.waiting.popleft()
+        req.num_computed_tokens = start
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return n
 
     def _draft_slots(self, req: Request, n: int, budget: int) -> int:
         """Draft slots after a decode token, within the budget and the request's limits."""
@@ -189,8 +213,10 @@ class Scheduler:
 
         The KV entries of accepted drafts are kept (they were computed on the
         right prefix); those of rejected drafts are simply not counted, and
-        blocks holding only rejected entries are freed. Returns the requests
-        that got new tokens (finished ones included, their blocks released).
+        blocks holding only rejected entries are freed. Full blocks of verified
+        tokens (below the new ``num_computed_tokens``, accepted drafts now being
+        committed tokens) enter the prefix cache. Returns the requests that got
+        new tokens (finished ones included, their blocks released).
         """
         touched = []
         for s in out.scheduled:
@@ -200,14 +226,15 @@ class Scheduler:
             rid = req.request_id
             req.num_computed_tokens += len(s.token_ids) + result.num_accepted.get(rid, 0)
             tokens = result.sampled.get(rid)
-            if not tokens:
-                continue
-            if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
-            append_tokens(req, tokens, self.max_model_len, result.logprobs.get(rid))
-            touched.append(req)
+            if tokens:
+                if req.first_token_time is None:
+                    req.first_token_time = time.monotonic()
+                append_tokens(req, tokens, self.max_model_len, result.logprobs.get(rid))
+                touched.append(req)
+            # A stop inside the accepted drafts leaves computed entries past the last kept token.
+            self.kv.cache_blocks(rid, req.token_ids, min(req.num_computed_tokens, req.num_tokens))
             if req.is_finished:
                 self.finish(req, req.finish_reason)
-            elif s.num_draft_slots:
+            elif tokens and s.num_draft_slots:
                 self.kv.truncate(rid, req.num_tokens)
         return touched

@@ -38,6 +38,8 @@ class StepStats:
     num_scheduled_tokens: int  # committed tokens computed (prompt chunks + last tokens), drafts not counted
     num_scheduled_requests: int
     num_generated_tokens: int
+    num_prefix_cache_queries: int = 0  # tokens of the requests admitted this step (prefix caching on)
+    num_prefix_cache_hits: int = 0  # of those, tokens found in the prefix cache
     finished: tuple = ()  # (request_id, finish_reason) ended this step
     first_token_times: tuple[tuple[float, float], ...] = ()  # (queue s, prefill s) of first tokens this step
     spec: SpecStepStats | None = None
@@ -76,6 +78,8 @@ def make_step_stats(engine, scheduled, result, touched, times: StepTimes) -> Ste
         num_scheduled_tokens=scheduled.num_tokens,
         num_scheduled_requests=len(scheduled.scheduled),
         num_generated_tokens=sum(len(v) for v in result.sampled.values()),
+        num_prefix_cache_queries=scheduled.num_prefix_cache_queries,
+        num_prefix_cache_hits=scheduled.num_prefix_cache_hits,
         finished=tuple((r.request_id, r.finish_reason) for r in touched if r.is_finished),
         first_token_times=tuple(
             (r.first_scheduled_time - r.arrival_time, r.first_token_time - r.first_scheduled_time)

@@ -23,6 +23,8 @@ histograms and instantaneous gauges are exported; rates are PromQL's job::
         histogram_quantile(0.5, sum by (le) (rate(specserve_e2e_request_latency_seconds_bucket[5m])))
     preemptions/s
         rate(specserve_num_preemptions_total[5m])
+    prefix cache hit rate (share of admitted requests' tokens found cached)
+        sum(rate(specserve_prefix_cache_hits_total[5m])) / sum(rate(specserve_prefix_cache_queries_total[5m]))
 
 Counting rules: a request with n choices counts n times (each choice is an
 engine request and computes its prompt). Generation tokens are counted as they
@@ -30,6 +32,9 @@ arrive, prompt tokens when the request ends. Inter-token latency is observed
 once per output token after the first: a delta carrying k tokens after a gap
 of t seconds observes t/k k times, so ``_sum / _count`` is the mean time per
 output token even when speculative decoding emits several tokens per step.
+Prefix-cache queries and hits are tokens, counted when a request is admitted
+(a preempted request counts again when it resumes), and only with prefix
+caching on: its hit rate is then hits / queries.
 """
 
 import time
@@ -184,7 +189,7 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 
 
 class StepMetrics:
-    """Engine-step metrics: scheduling and speculative decoding. Labels ``model_name``
+    """Engine-step metrics: scheduling, prefix cache and speculative decoding. Labels ``model_name``
     and ``method``; ``on_step`` runs on the engine thread (prometheus_client is thread-safe)."""
 
     def __init__(self, reg: CollectorRegistry, model_name: str, method: str, max_drafts: int):
@@ -205,6 +210,14 @@ class StepMetrics:
         )
         self.step_tokens = histogram(
             "specserve_step_tokens", "Tokens computed per engine step.", STEP_TOKEN_BUCKETS, per_model
+        )
+        self.prefix_queries = _child(
+            Counter, reg, "specserve_prefix_cache_queries", "Tokens of admitted requests looked up in the prefix cache.",
+            per_model,
+        )
+        self.prefix_hits = _child(
+            Counter, reg, "specserve_prefix_cache_hits", "Tokens of admitted requests found in the prefix cache.",
+            per_model,
         )
         self.drafts = counter("num_drafts", "Drafting rounds verified (requests x steps with drafts).")
         self.draft_tokens = counter("num_draft_tokens", "Draft tokens verified.")
@@ -240,6 +253,8 @@ class StepMetrics:
 
     def on_step(self, stats) -> None:
         self.step_tokens.observe(stats.num_scheduled_tokens)
+        self.prefix_queries.inc(stats.num_prefix_cache_queries)
+        self.prefix_hits.inc(stats.num_prefix_cache_hits)
         for queue_s, prefill_s in stats.first_token_times:
             self.queue.observe(queue_s)
             self.prefill.observe(prefill_s)

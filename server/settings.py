@@ -41,6 +41,10 @@ class ServerSettings(BaseSettings):
     # -- KV cache and scheduler (engine) --
     block_size: int = Field(16, gt=0, description="tokens per KV-cache block")
     kv_cache_memory_bytes: int = Field(1 << 30, gt=0, description="KV-cache budget in bytes")
+    enable_prefix_caching: bool = Field(
+        True, description="reuse the KV blocks of prompt prefixes already computed (shared system prompts, "
+        "earlier conversation turns)"
+    )
     max_num_seqs: int = Field(64, gt=0, description="requests running at once")
     max_num_batched_tokens: int = Field(512, gt=0, description="tokens computed per engine step")
     max_waiting: int = Field(1024, gt=0, description="queued requests beyond which new ones get a 503")
@@ -113,7 +117,11 @@ class ServerSettings(BaseSettings):
                 seed=self.seed,
                 num_threads=self.num_threads,
             ),
-            cache=CacheConfig(block_size=self.block_size, memory_bytes=self.kv_cache_memory_bytes),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                memory_bytes=self.kv_cache_memory_bytes,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
 from engine.model_store import fetch_default_model
 from engine.models.llama import LlamaForCausalLM
@@ -51,12 +51,15 @@ def engine_config(
     num_blocks: int = 256,
     block_size: int = 16,
     seed: int = 0,
+    enable_prefix_caching: bool = True,
+    speculative: SpeculativeConfig | None = None,
     **scheduler_kw,
 ) -> EngineConfig:
     return EngineConfig(
         ModelConfig(max_model_len=max_model_len, dtype="float32", device="cpu", seed=seed),
-        CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching),
         SchedulerConfig(**scheduler_kw),
+        speculative or SpeculativeConfig(),
     )
 
 

@@ -14,10 +14,13 @@ from kvcache import KVCacheManager
 EOS = 99
 
 
-def create_scheduler(num_blocks=16, block_size=2, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64):
-    kv = KVCacheManager(num_blocks, block_size)
+def create_scheduler(
+    num_blocks=16, block_size=2, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+    enable_prefix_caching=False, num_draft_slots=None,
+):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    return Scheduler(config, kv, max_model_len)
+    return Scheduler(config, kv, max_model_len, *([num_draft_slots] if num_draft_slots else []))
 
 
 def create_request(rid: str, prompt_len: int, max_tokens: int = 8, **kw) -> Request:

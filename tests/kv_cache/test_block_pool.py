@@ -29,21 +29,21 @@ def test_pool_refuses_more_than_free():
 def test_pool_refcounts_keep_shared_blocks_until_last_free():
     pool = BlockPool(3)
     (b,) = pool.allocate(1)
-    pool.incref([b])
+    pool.touch([b])
     pool.free([b])
     assert pool.num_free_blocks == 2  # one holder left
     pool.free([b])
     assert pool.num_free_blocks == 3
 
 
-def test_pool_double_free_and_incref_of_free_block_raise():
+def test_pool_double_free_and_touch_of_free_uncached_block_raise():
     pool = BlockPool(2)
     (b,) = pool.allocate(1)
     pool.free([b])
     with pytest.raises(RuntimeError, match="double free"):
         pool.free([b])
     with pytest.raises(RuntimeError):
-        pool.incref([b])
+        pool.touch([b])
     with pytest.raises(RuntimeError, match="double free"):
         pool.free([1])  # never allocated
     assert pool.num_free_blocks == 2

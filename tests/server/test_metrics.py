@@ -65,3 +65,18 @@ def test_queue_full_is_counted_as_rejected(server, monkeypatch):
         assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 503
     monkeypatch.undo()
     assert value(scrape(server), "specserve_request_rejected_total", reason="queue_full") == 1
+
+
+def test_prefix_cache_counts_queried_and_hit_tokens(server):
+    """The same prompt twice, one after the other: the second finds every full block
+    before its last token cached (tokens, counted at admission)."""
+    before = scrape(server)
+    client = server.client()
+    prompt = "Name three rivers of Europe, say in which sea each one ends, and give the length of each in kilometres."
+    usages = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0).usage for _ in range(2)]
+    after = scrape(server)
+    queried = value(after, "specserve_prefix_cache_queries_total") - value(before, "specserve_prefix_cache_queries_total")
+    hit = value(after, "specserve_prefix_cache_hits_total") - value(before, "specserve_prefix_cache_hits_total")
+    p = usages[0].prompt_tokens
+    assert p > 16 and queried == 2 * p
+    assert 16 * ((p - 1) // 16) <= hit <= queried

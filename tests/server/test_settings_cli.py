@@ -59,6 +59,15 @@ def test_vllm_flag_names():
     assert s.engine_config().scheduler.max_num_batched_tokens == 64
 
 
+def test_prefix_caching_is_on_by_default_and_follows_flag_then_environment(monkeypatch):
+    monkeypatch.delenv("SPECSERVE_ENABLE_PREFIX_CACHING", raising=False)
+    assert settings_from([]).engine_config().cache.enable_prefix_caching
+    assert not settings_from(["--no-enable-prefix-caching"]).engine_config().cache.enable_prefix_caching
+    monkeypatch.setenv("SPECSERVE_ENABLE_PREFIX_CACHING", "false")
+    assert not settings_from([]).engine_config().cache.enable_prefix_caching
+    assert settings_from(["--enable-prefix-caching"]).engine_config().cache.enable_prefix_caching
+
+
 def test_settings_are_frozen_and_validated():
     s = ServerSettings()
     with pytest.raises(ValidationError):
