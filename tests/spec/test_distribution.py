@@ -16,7 +16,7 @@ from drafters.draft_model import ModelDrafter
 from drafters.ngram import NgramDrafter
 from engine import rejection_sampler
 from tests.spec.bigram import BigramLM, bigram_table, perturbed
-from tests.spec.distribution import PROMPT, V, exact_joint, make_engine, p_value, sample_joint
+from tests.spec.distribution import V, exact_joint, make_engine, p_value, sample_joint
 
 NUM_SAMPLES = 20_000
 SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)]
@@ -93,7 +93,8 @@ def llama_logits(model):
 
     @functools.cache
     def logits(context: tuple[int, ...]) -> np.ndarray:
-        kv = PagedKV(KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), 16, torch.float32), 4, "cpu")
+        spec = KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), 16, torch.float32)
+        kv = PagedKV(spec, 4, "cpu")
         meta = build_attention_metadata([SeqSpec(0, len(context), [0, 1, 2, 3])], 16)
         with torch.inference_mode():
             hidden = model(torch.tensor(context), torch.arange(len(context)), meta, kv)

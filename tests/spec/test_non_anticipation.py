@@ -75,7 +75,8 @@ def test_every_plan_is_made_before_drafting_and_every_draft_is_verified():
     sizes = set()
     for events in steps:
         kinds = [e[0] for e in events]
-        assert kinds == sorted(kinds, key=["plan", "draft", "verified"].index)  # all plans, then drafting, then verification
+        # All plans, then drafting, then verification.
+        assert kinds == sorted(kinds, key=["plan", "draft", "verified"].index)
         plans = {e[1]: e[2] for e in events if e[0] == "plan"}
         for _, rid, given in (e for e in events if e[0] == "draft"):
             assert 0 < given <= plans[rid]  # only the room left in max_tokens may cut a plan
