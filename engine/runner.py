@@ -130,12 +130,7 @@ class ModelRunner:
         n, k_max = draft_ids.shape
         probs = torch.zeros(n, k_max + 1, self.vocab_size, device=self.device)
         probs[rr, rp] = processed_probs(logits, batch)
-        draft_probs = None
-        if any(d is not None and d.probs is not None for d in drafts):
-            draft_probs = torch.zeros(n, k_max, self.vocab_size, device=self.device)
-            for i, d in enumerate(drafts):
-                if d and d.probs is not None:
-                    draft_probs[i, : k[i]] = d.probs
+        draft_probs = stack_draft_probs(drafts, draft_ids, self.vocab_size)
         uniforms, noise = self._randomness(k, self._generators(requests))
         greedy = torch.tensor([r.params.greedy for r in requests], device=self.device)
         return rejection_sample(probs, argmax, draft_ids, draft_probs, self._t(np.array(k)), greedy, uniforms, noise)
@@ -177,3 +172,19 @@ class ModelRunner:
         if g is None:
             g = self.generators[request_id] = torch.Generator(self.device).manual_seed(params.seed)
         return g
+
+
+def stack_draft_probs(drafts: list[Draft | None], draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+    """q [n, K, vocab] of a batch's drafts (``draft_ids`` [n, K], PLACEHOLDER past each
+    request's drafts): a draft's own ``probs`` where it has them, one-hot at the drafted
+    token where it has none (a deterministic drafter), zeros past the drafts. None when
+    no draft has probs: the rejection sampler then takes every q as one-hot itself."""
+    if not any(d is not None and d.probs is not None for d in drafts):
+        return None
+    n, k_max = draft_ids.shape
+    q = torch.zeros(n, k_max, vocab_size, device=draft_ids.device)
+    q.scatter_(2, draft_ids.clamp(min=0).unsqueeze(2), (draft_ids >= 0).unsqueeze(2).to(q.dtype))
+    for i, d in enumerate(drafts):
+        if d is not None and d.probs is not None:
+            q[i, : len(d.token_ids)] = d.probs
+    return q

@@ -30,6 +30,15 @@ and per context class (a 5-token suffix match predicts far better than a
 The policy picks the ``g`` in ``1..k`` with the best tokens per cost; when even
 that is below 1, that class of the request stops drafting for a while, then
 retries with a probe round.
+
+A seeded request is *isolated*: its record starts from the prior, never from
+the pooled rates, and its drafts are priced as if it were alone (``V`` at
+batch 1). Its choices then depend only on its own history, so it draws the same
+random numbers, and writes the same tokens, whatever the server served before
+or beside it. The number of drafts has to be pinned this way: under the
+rejection rule, a seeded request's output does depend on it (a token emitted
+as an accepted draft and the same position's bonus token use different
+randomness), however the random numbers are keyed.
 """
 
 import bisect
@@ -139,6 +148,7 @@ class SpecState:
     """One request's speculation record."""
 
     classes: dict[int, ClassState] = field(default_factory=dict)
+    isolated: bool = False  # seeded: own record only, priced as if alone (see the module docstring)
     last_class: int | None = None  # class of the latest decision
     num_drafts: int = 0  # rounds that verified at least one draft
     num_draft_tokens: int = 0
@@ -180,15 +190,19 @@ class SpecPolicy:
         self.pooled: dict[int, ClassState] = {}  # class -> rates over all requests
 
     def state(self, request: Request) -> SpecState:
-        return self.states.setdefault(request.request_id, SpecState())
+        st = self.states.get(request.request_id)
+        if st is None:
+            st = self.states[request.request_id] = SpecState(isolated=request.params.seed is not None)
+        return st
 
     def begin_step(self, num_decoding: int) -> None:
         """A step with ``num_decoding`` requests decoding starts; drafts granted in it add up."""
         self.batch = self.rows = max(1, num_decoding)
 
-    def verify_cost(self, g: int) -> float:
-        """``V(g)`` for the next request of this step, the drafts granted before it counted."""
-        return self.step_costs.verify(g, self.batch, self.rows)
+    def verify_cost(self, g: int, alone: bool = False) -> float:
+        """``V(g)`` for the next request of this step, the drafts granted before it counted;
+        ``alone``: as if the request were the only one (batch 1)."""
+        return self.step_costs.verify(g, 1, 1) if alone else self.step_costs.verify(g, self.batch, self.rows)
 
     def gain(self, rates: list[float], g: int, costs: list[float]) -> float:
         """Tokens per step of cost with ``g`` drafts at conditional ``rates``; ``costs[g]`` = V(g)."""
@@ -208,30 +222,32 @@ class SpecPolicy:
             return k
         cs = st.classes.get(key)
         if cs is None:
-            cs = st.classes[key] = self._fresh(key)
+            cs = st.classes[key] = self._fresh(key, st.isolated)
         if self.step < cs.paused_until:
             return 0
-        rates, costs = cs.estimate(), [self.verify_cost(g) for g in range(k + 1)]
+        rates, costs = cs.estimate(), [self.verify_cost(g, st.isolated) for g in range(k + 1)]
         gamma = max(range(1, k + 1), key=lambda g: (self.gain(rates, g, costs), -g))
         if self.gain(rates, gamma, costs) < 1.0:
             if not cs.probing:
-                self._pause(cs, key)
+                self._pause(cs, key, st.isolated)
                 return 0
             gamma = 1  # a probe after a pause: the cheapest test of whether drafts pay again
         self.rows += gamma
         return gamma
 
-    def _fresh(self, key: int) -> ClassState:
-        """A request's first record of a class: the pooled one's rates, else the prior."""
+    def _fresh(self, key: int, isolated: bool) -> ClassState:
+        """A request's first record of a class: the pooled one's rates, else (or when
+        ``isolated``) the prior."""
         pooled = self.pooled.get(key)
-        if pooled is None:
+        if pooled is None or isolated:
             return ClassState([PRIOR_ACCEPTANCE] * self.config.num_speculative_tokens)
         return ClassState(list(pooled.rates), pooled.tested)
 
-    def _pause(self, cs: ClassState, key: int) -> None:
+    def _pause(self, cs: ClassState, key: int, isolated: bool) -> None:
         cs.paused_until = self.step + cs.pause_len
         cs.pause_len = min(2 * cs.pause_len, MAX_PAUSE)
-        fresh = self._fresh(key)  # the retry starts from what this class does over all requests,
+        # The retry starts from what this class does over all requests (an isolated one: the prior),
+        fresh = self._fresh(key, isolated)
         cs.rates, cs.tested = fresh.rates, fresh.tested
         cs.probing = True  # with at least one draft, and one round only unless it accepts something
 
@@ -250,7 +266,9 @@ class SpecPolicy:
         st.num_draft_tokens += num_drafted
         st.num_accepted_tokens += num_accepted
         key = st.last_class
-        cs = st.classes.setdefault(key, self._fresh(key))
+        cs = st.classes.get(key)
+        if cs is None:
+            cs = st.classes[key] = self._fresh(key, st.isolated)
         cs.update(num_drafted, num_accepted, EMA)
         pooled = self.pooled.setdefault(key, ClassState([PRIOR_ACCEPTANCE] * self.config.num_speculative_tokens))
         pooled.update(num_drafted, num_accepted, POOLED_EMA)
@@ -258,7 +276,7 @@ class SpecPolicy:
             cs.pause_len = MIN_PAUSE
             cs.probing = False
         elif cs.probing:
-            self._pause(cs, key)
+            self._pause(cs, key, st.isolated)
 
     def end_step(self) -> None:
         self.step += 1

@@ -99,3 +99,36 @@ def test_greedy_fast_path_matches_the_general_rule():
     out, acc = greedy_verify(argmax, ids)
     assert torch.equal(out, expected[0]) and torch.equal(acc, expected[1])
     assert 0 < acc.float().mean() < k  # the case mix covers rejections and full acceptance
+
+
+def test_a_batch_mixing_drafts_with_and_without_probs_gives_each_its_own_q():
+    from drafters.base import Draft
+    from engine.runner import stack_draft_probs
+
+    q_model = torch.tensor([[0.2, 0.6, 0.2], [0.1, 0.1, 0.8]])
+    drafts = [Draft([1, 2], q_model), Draft([0]), None]
+    ids = torch.tensor([[1, 2], [0, PLACEHOLDER], [PLACEHOLDER, PLACEHOLDER]])
+    q = stack_draft_probs(drafts, ids, 3)
+    assert torch.equal(q[0], q_model)
+    assert q[1].tolist() == [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]  # one-hot at the drafted token, then nothing
+    assert not q[2].any()
+    assert stack_draft_probs([Draft([0]), None], ids[1:], 3) is None  # all deterministic: the sampler's own one-hot
+
+
+def test_a_deterministic_draft_is_verified_alike_beside_a_sampled_one():
+    """The deterministic row of a mixed batch accepts and recovers exactly as in a batch of its own."""
+    from drafters.base import Draft
+    from engine.runner import stack_draft_probs
+
+    p = torch.stack([torch.stack([P, P]), torch.stack([P, P])]).float()  # [2, 2, 3]
+    ids = torch.tensor([[1], [0]])
+    mixed = stack_draft_probs([Draft([1], Q.unsqueeze(0).float()), Draft([0])], ids, 3)
+    noise = torch.tensor([[1.0, 1.0, 1.0], [0.01, 1.0, 0.5]])
+    accepted = 0
+    for u in (np.arange(100) + 0.5) / 100:
+        args = (p.argmax(-1), ids, mixed, torch.tensor([1, 1]), torch.tensor([False, False]))
+        out, acc = rejection_sample(p, *args, torch.tensor([[u], [u]]).float(), noise)
+        alone, alone_acc = verify_one([P, P], None, [0], [u], noise=noise[1:])
+        assert (out[1].tolist(), int(acc[1])) == (alone, alone_acc)
+        accepted += int(acc[1])
+    assert accepted == 50  # p(0) = 0.5 of the uniforms accept it, not every one (q = 0 would accept all)
