@@ -14,6 +14,7 @@ import torch
 from drafters.base import DraftSlot, build_drafter
 
 from engine.config import EngineConfig
+from engine.cost_tracker import CostTracker
 from engine.faults import FaultHook
 from engine.loader import load_config, load_model, load_tokenizer
 from engine.model_store import resolve_model
@@ -64,6 +65,7 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, spec.block_size, config.cache.enable_prefix_caching)
         self.paged_kv = PagedKV(spec, num_blocks, device)
         self.runner = ModelRunner(model, self.paged_kv, spec.block_size, device, config.model.seed)
+        self.cost_tracker: CostTracker | None = None  # set by _speculation when costs are timed
         self.drafter, self.policy = self._speculation(config, num_blocks, spec, device, dtype, drafter)
         slots = self.policy.num_draft_slots if self.policy else no_drafts
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, slots)
@@ -136,6 +138,7 @@ class LLMEngine:
         else:
             max_rows = min(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs + k)
             costs = measure_step_costs(self.model, self.runner, max_rows, spec.block_size, self.max_model_len)
+            self.cost_tracker = CostTracker(costs)
         log.info("speculation: %s, k=%d, draft cost %.3f per token; pass cost by tokens %s",
                  sc.method, k, drafter.cost_per_token,
                  " ".join(f"{r}:{c:.2f}" for r, c in zip(costs.rows, costs.costs)))
@@ -221,6 +224,9 @@ class LLMEngine:
                 if not s.request.is_finished:
                     self.drafter.commit(s.request)
             self.policy.end_step()
+            if self.cost_tracker is not None and all(len(s.token_ids) == 1 for s in scheduled.scheduled):
+                rows = scheduled.num_tokens + sum(result.num_drafted.values())  # decode step: last tokens + drafts
+                self.policy.step_costs = self.cost_tracker.observe(rows, times.execute_s)
         if self.stat_loggers:
             try:  # metrics must never fail the step: its tokens are already committed
                 stats = make_step_stats(self, scheduled, result, touched, times)

@@ -99,6 +99,7 @@ class StepCosts:
     # Price every request alone, as at batch 1, whatever the batch: the choices, and
     # so a seeded request's random draws, then do not depend on the other requests.
     per_request: bool = False
+    one_token_s: float = 0.0  # seconds of a one-token pass when timed (0: a pinned cost)
 
     @classmethod
     def linear(cls, per_token: float) -> "StepCosts":

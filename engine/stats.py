@@ -119,4 +119,4 @@ def measure_step_costs(model, runner, max_rows: int, block_size: int, max_len: i
     best = [min(t[i] for t in times) for i in range(len(rows))]
     # More rows never cost less: a slow outlier at some R is capped by the larger R after it.
     costs = [max(1.0, min(best[i:]) / best[0]) for i in range(len(rows))]
-    return StepCosts(tuple(rows), tuple(costs))
+    return StepCosts(tuple(rows), tuple(costs), one_token_s=best[0])

@@ -1,0 +1,153 @@
+"""Speculation under load: plain decoding against each drafter, concurrency 1 to 64.
+
+    .venv/bin/python -m bench.load_sweep [--methods ngram] [--concurrency 1,2,4,8,16,32,64]
+
+For each server (plain, then one per speculation method) and each concurrency
+``c``, ``c`` streamed chat requests are sent at once (greedy, ``ignore_eos``,
+``--max-tokens`` each, MT-Bench-style prompts, the same ones for every server)
+and measured from the client: total output tokens/s, and per request the
+inter-token latency (gap between output events over the tokens they carried)
+and the time per output token. The target: with speculation on, throughput and
+p50 latency never worse than off beyond noise (0.97x) at any concurrency.
+Writes bench/results/load_sweep.md and load_sweep.png.
+"""
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.common import CHAT_CATEGORIES, RESULTS, markdown_table, spec_bench, write_report
+from bench.server_procs import serve
+
+METHODS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_max": 8},
+    "early_exit": {"method": "early_exit", "num_speculative_tokens": 4},
+}
+FLOOR = 0.97  # speculation on / off below this is a loss
+
+
+def chat_prompts(n: int) -> list[str]:
+    per = -(-n // len(CHAT_CATEGORIES))
+    by_cat = [spec_bench(c, per) for c in CHAT_CATEGORIES]
+    return [p for i in range(per) for ps in by_cat for p in ps[i : i + 1]][:n]
+
+
+async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed request: output tokens, and per-token gaps between output events."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    times, tokens = [], 0
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                times.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    events = max(1, len(times) - 1)
+    tpot = (times[-1] - times[0]) / max(1, tokens - 1) if len(times) > 1 else 0.0
+    # An event carries tokens / events tokens on average: the latency per token of each gap.
+    return {"tokens": tokens, "itl": [g * events / max(1, tokens - 1) for g in gaps], "tpot": tpot}
+
+
+async def wave(url: str, prompts: list[str], max_tokens: int) -> dict:
+    async with httpx.AsyncClient(timeout=1800, limits=httpx.Limits(max_connections=len(prompts) + 4)) as client:
+        t = time.perf_counter()
+        results = await asyncio.gather(*(one(client, url, p, max_tokens) for p in prompts))
+        wall = time.perf_counter() - t
+    itl = [g for r in results for g in r["itl"]]
+    return {
+        "tok_s": sum(r["tokens"] for r in results) / wall,
+        "itl_p50_ms": 1000 * statistics.median(itl) if itl else 0.0,
+        "tpot_p50_ms": 1000 * statistics.median(r["tpot"] for r in results),
+    }
+
+
+def run_server(name: str, extra: list[str], levels: list[int], prompts: list[str], max_tokens: int) -> dict:
+    out = {}
+    log = str(Path(tempfile.gettempdir()) / f"specserve-sweep-{name}.log")
+    with serve(["--max-model-len", "2048", *extra], log) as url:
+        asyncio.run(wave(url, prompts[:2], 8))  # warm-up
+        for c in levels:
+            out[c] = asyncio.run(wave(url, prompts[:c], max_tokens))
+            r = out[c]
+            print(f"[{name}] c={c}: {r['tok_s']:.1f} tok/s, ITL p50 {r['itl_p50_ms']:.0f} ms, "
+                  f"TPOT p50 {r['tpot_p50_ms']:.0f} ms", flush=True)
+    return out
+
+
+def report(results: dict, levels: list[int], command: str, max_tokens: int) -> None:
+    header = ["concurrency", "plain tok/s", "plain ITL p50 ms"]
+    methods = [m for m in results if m != "plain"]
+    for m in methods:
+        header += [f"{m} tok/s", f"{m} / plain", f"{m} ITL p50 ms", f"{m} ITL plain / {m}"]
+    rows, worst = [], {}
+    for c in levels:
+        p = results["plain"][c]
+        row = [c, p["tok_s"], p["itl_p50_ms"]]
+        for m in methods:
+            r = results[m][c]
+            ratio, itl_ratio = r["tok_s"] / p["tok_s"], p["itl_p50_ms"] / max(r["itl_p50_ms"], 1e-9)
+            worst[m] = min(worst.get(m, 9.0), ratio, itl_ratio)
+            row += [r["tok_s"], ratio, r["itl_p50_ms"], itl_ratio]
+        rows.append(row)
+    body = markdown_table(header, rows)
+    for m in methods:
+        verdict = "PASS" if worst[m] >= FLOOR else "FAIL"
+        body += f"\n\n{m}: worst ratio to plain (throughput or p50 ITL) {worst[m]:.2f} -> **{verdict}** (floor {FLOOR})"
+    body += (f"\n\nEach concurrency c: c streamed chat requests at once, greedy, {max_tokens} tokens with "
+             "ignore_eos. ITL: the gap between output events divided by the tokens they carried, p50 over "
+             "all gaps of the wave. Ratios above 1 mean speculation on is better.\n\n![sweep](load_sweep.png)")
+    write_report("load_sweep", "Speculation under load: concurrency sweep against plain decoding", body, command)
+    plot(results, levels)
+
+
+def plot(results: dict, levels: list[int]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, res in results.items():
+        a.plot(levels, [res[c]["tok_s"] for c in levels], "o-", label=name)
+        b.plot(levels, [res[c]["itl_p50_ms"] for c in levels], "o-", label=name)
+    for ax, label in ((a, "output tokens/s"), (b, "p50 inter-token latency (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "load_sweep.png", dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", default="ngram", help=f"comma-separated, of {', '.join(METHODS)}")
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    args = ap.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    prompts = chat_prompts(max(levels))
+    methods = [m for m in args.methods.split(",") if m]
+    results = {"plain": run_server("plain", [], levels, prompts, args.max_tokens)}
+    for m in methods:
+        extra = ["--speculative-config", json.dumps(METHODS[m])]
+        results[m] = run_server(m, extra, levels, prompts, args.max_tokens)
+    command = f"python -m bench.load_sweep --methods {args.methods} --concurrency {args.concurrency}"
+    report(results, levels, command + (f" --max-tokens {args.max_tokens}" if args.max_tokens != 128 else ""),
+           args.max_tokens)
+
+
+if __name__ == "__main__":
+    main()

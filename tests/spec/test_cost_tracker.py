@@ -1,0 +1,63 @@
+"""The step-cost table recalibrated online from observed decode steps."""
+
+import pytest
+
+from engine.config import SpeculativeConfig
+from engine.cost_tracker import ALPHA, CostTracker
+from engine.sampling_params import SamplingParams
+from engine.spec_policy import StepCosts
+
+START = StepCosts((1, 5, 17), (1.0, 1.2, 2.0), one_token_s=0.010)  # 10 ms, 12 ms, 20 ms
+
+
+def test_an_observation_on_a_row_moves_that_row_only():
+    t = CostTracker(START)
+    table = t.observe(5, 0.024)  # twice the 12 ms predicted for 5 rows
+    assert t.seconds == pytest.approx([0.010, 0.012 * (1 + ALPHA), 0.020])
+    assert table.costs == pytest.approx((1.0, 1.2 * (1 + ALPHA), 2.0))
+
+
+def test_an_observation_between_rows_is_shared_by_interpolation_weight():
+    t = CostTracker(START)
+    t.observe(11, 0.016 * 1.5)  # halfway between 5 and 17 rows (16 ms predicted), 1.5x
+    assert t.seconds == pytest.approx([0.010, 0.012 * (1 + ALPHA * 0.25), 0.020 * (1 + ALPHA * 0.25)])
+
+
+def test_verification_getting_dearer_raises_the_relative_costs():
+    """Observed steps at 5 rows twice as slow as timed, one-row steps as timed: drafts now cost more."""
+    t = CostTracker(START)
+    for _ in range(200):
+        t.observe(1, 0.010)
+        table = t.observe(5, 0.024)
+    assert table(5) == pytest.approx(2.4, rel=0.02)
+    assert table.verify(4, batch=1) > START.verify(4, batch=1)
+
+
+def test_a_slow_outlier_moves_an_entry_by_at_most_alpha_and_the_table_stays_monotone():
+    t = CostTracker(START)
+    table = t.observe(1, 5.0)  # a 5 s hiccup on a 10 ms step
+    assert t.seconds[0] == pytest.approx(0.010 * (1 + ALPHA))
+    assert list(table.costs) == sorted(table.costs) and table.costs[0] == 1.0
+
+
+def test_an_untimed_table_is_refused():
+    with pytest.raises(ValueError):
+        CostTracker(StepCosts.linear(0.05))
+
+
+def test_the_engine_recalibrates_a_timed_table_and_leaves_a_pinned_one(make_engine, tiny_model):
+    model = tiny_model()
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    timed = make_engine(model, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    start = timed.policy.step_costs
+    timed.add_request("a", [5, 6, 7, 5, 6, 7, 5, 6], params)
+    while timed.has_unfinished():
+        timed.step()
+    assert timed.cost_tracker.num_observed > 0
+    assert timed.policy.step_costs != start
+    pinned = make_engine(model, speculative=SpeculativeConfig(method="ngram", verify_cost=0.05))
+    before = pinned.policy.step_costs
+    pinned.add_request("b", [5, 6, 7, 5, 6, 7, 5, 6], params)
+    while pinned.has_unfinished():
+        pinned.step()
+    assert pinned.cost_tracker is None and pinned.policy.step_costs == before
