@@ -28,6 +28,13 @@ def chat_prompts(n: int) -> list[str]:
     return prompts[:: max(1, len(prompts) // n)][:n]
 
 
+def round_robin_chat(n: int) -> list[str]:
+    """``n`` chat prompts taking the categories in turn (one of each, then the next of each...)."""
+    per = -(-n // len(CHAT_CATEGORIES))
+    by_cat = [spec_bench(c, per) for c in CHAT_CATEGORIES]
+    return [p for i in range(per) for ps in by_cat for p in ps[i : i + 1]][:n]
+
+
 CODE = '''def moving_average(values, window):
     """Return the moving averages of values over a window."""
     if window <= 0:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import CHAT_CATEGORIES, RESULTS, markdown_table, spec_bench, write_report
+from bench.common import RESULTS, markdown_table, round_robin_chat, write_report
 from bench.server_procs import serve
 
 METHODS = {
@@ -30,12 +30,6 @@ METHODS = {
     "early_exit": {"method": "early_exit", "num_speculative_tokens": 4},
 }
 FLOOR = 0.97  # speculation on / off below this is a loss
-
-
-def chat_prompts(n: int) -> list[str]:
-    per = -(-n // len(CHAT_CATEGORIES))
-    by_cat = [spec_bench(c, per) for c in CHAT_CATEGORIES]
-    return [p for i in range(per) for ps in by_cat for p in ps[i : i + 1]][:n]
 
 
 async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
@@ -138,7 +132,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    prompts = chat_prompts(max(levels))
+    prompts = round_robin_chat(max(levels))
     methods = [m for m in args.methods.split(",") if m]
     results = {"plain": run_server("plain", [], levels, prompts, args.max_tokens)}
     for m in methods:

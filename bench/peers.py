@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import CHAT_CATEGORIES, RESULTS, markdown_table, spec_bench, write_report
+from bench.common import RESULTS, markdown_table, round_robin_chat, spec_bench, write_report
 from bench.server_procs import free_port, stop
 
 MAX_TOKENS = 128
@@ -103,9 +103,7 @@ def start(cmd: list[str], env: dict, log_path: Path, timeout: float = 600) -> su
 
 def prompts(n_chat: int, n_copy: int, n_conc: int) -> tuple[list[str], list[str], list[str]]:
     """Batch-1 chat prompts (one per category in turn), copy-heavy ones, and other chat prompts."""
-    per = -(-(n_chat + n_conc) // len(CHAT_CATEGORIES))
-    by_cat = [spec_bench(c, per) for c in CHAT_CATEGORIES]
-    chat = [p for i in range(per) for ps in by_cat for p in ps[i : i + 1]]
+    chat = round_robin_chat(n_chat + n_conc)
     copy = [p for pair in zip(spec_bench("summarization", n_copy), spec_bench("rag", n_copy)) for p in pair]
     return chat[:n_chat], copy[:n_copy], chat[n_chat : n_chat + n_conc]
 

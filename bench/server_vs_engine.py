@@ -1,0 +1,89 @@
+"""What the HTTP server costs: the same requests through the offline engine and through the API.
+
+    .venv/bin/python -m bench.server_vs_engine [--repeats 3]
+
+Batch 1 (one chat prompt, greedy, 128 new tokens with ``ignore_eos``, prompt
+processing included) and 16 concurrent requests (16 chat prompts), each run
+alternately in this process's offline engine (``engine.LLM``) and through a
+``specserve serve`` subprocess's streamed ``/v1/chat/completions``, with the
+same model, settings and OpenMP runtime. The target: the server at least 95%
+of the engine's tokens/s. Writes bench/results/server_vs_engine.md.
+"""
+
+import sys
+
+from server import openmp
+
+if __name__ == "__main__":  # the same OpenMP runtime as the server subprocess, before torch loads
+    openmp.ensure("bench.server_vs_engine", sys.argv[1:])
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from bench.common import chat_prompts, markdown_table, render_chat, write_report  # noqa: E402
+from bench.server_procs import serve, stream_chat  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+MAX_TOKENS = 128
+TARGET = 0.95
+
+
+def offline(llm: LLM, prompts: list[str]) -> float:
+    """Total tokens/s of the prompts as one offline batch."""
+    ids = [render_chat(llm.tokenizer, p) for p in prompts]
+    t = time.perf_counter()
+    outs = llm.generate(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
+
+
+def served(url: str, prompts: list[str]) -> float:
+    """Total tokens/s of the prompts sent at once, streamed."""
+    results: list[dict] = [{}] * len(prompts)
+
+    def one(i: int) -> None:
+        results[i] = stream_chat(url, prompts[i], MAX_TOKENS, ignore_eos=True)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return sum(r["usage"]["completion_tokens"] for r in results) / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    llm = LLM(max_model_len=2048)
+    loads = {"batch 1": chat_prompts(1), "16 concurrent": chat_prompts(16)}
+    rates: dict[tuple[str, str], list[float]] = {}
+    log = str(Path(tempfile.gettempdir()) / "specserve-server-vs-engine.log")
+    with serve(["--max-model-len", "2048"], log) as url:
+        offline(llm, loads["batch 1"])  # warm-up of both
+        served(url, loads["batch 1"])
+        for _ in range(args.repeats):
+            for name, prompts in loads.items():
+                rates.setdefault((name, "engine"), []).append(offline(llm, prompts))
+                rates.setdefault((name, "server"), []).append(served(url, prompts))
+                print(f"{name}: engine {rates[name, 'engine'][-1]:.1f}, server {rates[name, 'server'][-1]:.1f} tok/s",
+                      flush=True)
+    rows = []
+    for name in loads:
+        e, s = statistics.median(rates[name, "engine"]), statistics.median(rates[name, "server"])
+        rows.append([name, e, s, s / e, "pass" if s / e >= TARGET else "FAIL"])
+    body = markdown_table(["load", "offline engine tok/s", "HTTP server tok/s", "server / engine",
+                           f"target {TARGET}"], rows)
+    body += (f"\n\nMedians of {args.repeats} alternating runs; greedy, {MAX_TOKENS} new tokens with ignore_eos, "
+             f"prompt processing included; OpenMP runtime: {openmp.describe()}.")
+    write_report("server_vs_engine", "The HTTP server against the offline engine, same requests", body,
+                 f"python -m bench.server_vs_engine --repeats {args.repeats}")
+
+
+if __name__ == "__main__":
+    main()
