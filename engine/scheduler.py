@@ -30,7 +30,7 @@ class ScheduledRequest:
     token_ids: tuple[int, ...]  # tokens computed this step: positions context_len ..
     context_len: int  # tokens already in the KV cache
     block_table: tuple[int, ...]
-    sample: bool  # the last token's logits give the next token (False mid-prompt)
+    sample: bool  # the last token's logits give the next token (False mid-prompt and for max_tokens 0)
     num_draft_slots: int = 0  # drafts that may follow token_ids (KV slots reserved for them)
 
     @property
@@ -57,11 +57,14 @@ class SchedulerOutput:
 class RunnerOutput:
     sampled: dict[str, list[int]]  # request id -> new tokens: accepted drafts + recovered / bonus token
     logprobs: dict[str, list] = field(default_factory=dict)
+    # request id -> (index of its first entry in Request.prompt_logprobs, entries), per prefill chunk
+    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
     num_drafted: dict[str, int] = field(default_factory=dict)  # drafts verified, per request that had any
     num_accepted: dict[str, int] = field(default_factory=dict)
 
     def merge(self, other: "RunnerOutput") -> None:
         for mine, theirs in ((self.sampled, other.sampled), (self.logprobs, other.logprobs),
+                             (self.prompt_logprobs, other.prompt_logprobs),
                              (self.num_drafted, other.num_drafted), (self.num_accepted, other.num_accepted)):
             mine.update(theirs)
 
@@ -180,7 +183,7 @@ class Scheduler:
             token_ids=tuple(req.token_ids[start : start + n]),
             context_len=start,
             block_table=tuple(self.kv.block_table(req.request_id)),
-            sample=start + n == req.num_tokens,
+            sample=start + n == req.num_tokens and req.params.max_tokens > 0,
             num_draft_slots=k,
         )
 
@@ -199,8 +202,13 @@ class Scheduler:
                 continue  # aborted during the step
             rid = req.request_id
             req.num_computed_tokens += len(s.token_ids) + result.num_accepted.get(rid, 0)
+            if rid in result.prompt_logprobs:
+                req.add_prompt_logprobs(*result.prompt_logprobs[rid])
             tokens = result.sampled.get(rid)
             if not tokens:
+                if req.params.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
+                    self.finish(req, "length")  # prefill only: nothing to sample
+                    touched.append(req)
                 continue
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
