@@ -3,6 +3,7 @@ with speculation off, on the default model, for Spec-Bench prompts of
 different categories; seeded sampling is reproducible; no block is lost."""
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
