@@ -3,8 +3,9 @@
 It turns a ``SchedulerOutput`` (plus the step's drafts) into flat input tensors
 built in numpy and copied once, runs the target ONCE over every scheduled token
 (prefill chunks, decodes, and each decode's draft chain), computes logits only
-at the positions that sample, and then either samples one token per request
-(no drafts) or verifies the drafts with the rejection sampler.
+at the positions that sample (and at the prompt positions of requests that ask
+for prompt logprobs), and then either samples one token per request (no
+drafts) or verifies the drafts with the rejection sampler.
 
 Rows: a request with ``k`` drafts contributes ``k + 1`` logit rows, row ``i``
 being the target's distribution after the first ``i`` drafts::
