@@ -24,25 +24,27 @@ model: $(VENV)/.installed
 serve: setup
 	$(VENV)/bin/specserve serve $(ARGS)
 
-# Debian's prometheus package: promtool checks deploy/prometheus/prometheus.yml and the
-# dashboard's PromQL in the tests; prometheus itself scrapes a live server in test-integration.
+# Debian's prometheus package (needs root: `sudo make tools`): promtool checks
+# deploy/prometheus/prometheus.yml and the dashboard's PromQL in the tests; prometheus
+# itself scrapes a live server in test-integration. Without it those tests skip.
+# No test target depends on it, so `make test` never needs root; CI runs it first.
 tools:
 	command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
 # Tests and benchmarks run with Intel's OpenMP preloaded, as `specserve` runs itself (server/openmp.py).
 RUN := $(PY) -m server.openmp $(PY)
 
-test: setup tools
+test: setup
 	$(RUN) -m pytest -q $(ARGS)
 
-test-slow: setup tools
+test-slow: setup
 	$(RUN) -m pytest -q -m slow $(ARGS)
 
-test-integration: setup tools
+test-integration: setup
 	$(RUN) -m pytest -q -m integration $(ARGS)
 
 # Every test, whatever its markers.
-test-all: setup tools
+test-all: setup
 	$(RUN) -m pytest -q -m 'slow or not slow' $(ARGS)
 
 bench: setup

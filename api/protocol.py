@@ -86,6 +86,7 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[Int64] | None = None
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    prompt_logprobs: Int64 | None = None  # top-N per prompt token, answered in vLLM's shape (not with stream)
     # specserve: false opts this request out of speculative decoding.
     speculative_decoding: bool | None = True
 
@@ -187,6 +188,32 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``prompt_logprobs`` entry of one token: its rank is 1 for the most likely."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's ``prompt_logprobs``: None for the first prompt token, then token id -> entry,
+# the prompt token first, then the top N.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+def _omit_none(name: str):
+    """A serializer that leaves ``name`` out while it is None (an extension field)."""
+
+    @model_serializer(mode="wrap")
+    def serialize(self, handler):
+        data = handler(self)
+        if data.get(name) is None:
+            data.pop(name, None)
+        return data
+
+    return serialize
+
+
 ChoiceT = TypeVar("ChoiceT", bound=BaseModel)
 
 
@@ -207,6 +234,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension: sent only when asked
+
+    _serialize = _omit_none("prompt_logprobs")
 
 
 class CompletionResponse(ChoiceList[CompletionChoice]):
@@ -241,6 +271,9 @@ class ChatChoice(BaseModel):
 
 class ChatCompletionResponse(ChoiceList[ChatChoice]):
     object: Literal["chat.completion"] = "chat.completion"
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension: sent only when asked
+
+    _serialize = _omit_none("prompt_logprobs")
 
 
 class DeltaMessage(BaseModel):

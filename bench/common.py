@@ -9,14 +9,14 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("SPECSERVE_SHARED", ROOT.parent / "shared"))
+DATA = ROOT / "bench" / "data"  # vendored prompt sets, with their licences (data/README.md)
 RESULTS = ROOT / "bench" / "results"
 CHAT_CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
 
 
 def spec_bench(category: str, n: int) -> list[str]:
     """First turns of the first ``n`` Spec-Bench questions of a category."""
-    path = SHARED / "data" / "spec_bench" / "question.jsonl"
+    path = DATA / "spec_bench" / "question.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     return [r["turns"][0] for r in rows if r["category"] == category][:n]
 

@@ -241,6 +241,7 @@ class LLMEngine:
         end = len(req.output_text) - holdback(req)
         text = req.output_text[req.num_emitted_chars : end] if end > req.num_emitted_chars else ""
         logprobs = req.logprobs[req.num_emitted_tokens :] if req.logprobs is not None else None
+        first = req.num_emitted_tokens == 0  # a request's first delta: its prompt is computed
         req.num_emitted_tokens += len(tokens)
         req.num_emitted_chars = max(req.num_emitted_chars, end)
         return RequestOutput(
@@ -252,6 +253,7 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             logprobs=logprobs,
+            prompt_logprobs=req.prompt_logprobs if first else None,
             error=req.error,
             spec=self._finish_spec(req) if req.is_finished else {},
         )

@@ -40,7 +40,10 @@ class LLM:
         while self.engine.has_unfinished():
             self.engine.step()
         return [
-            CompletionOutput(r.request_id, r.prompt_token_ids, r.output_token_ids, r.output_text, r.finish_reason, r.logprobs)
+            CompletionOutput(
+                r.request_id, r.prompt_token_ids, r.output_token_ids, r.output_text, r.finish_reason, r.logprobs,
+                r.prompt_logprobs,
+            )
             for r in reqs
         ]
 

@@ -8,6 +8,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+    rank: int | None = None  # of token_id in the vocabulary, 1 = most likely (prompt logprobs only)
 
 
 @dataclass
@@ -22,6 +23,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far
     logprobs: list[TokenLogprob] | None = None
+    # Prompt tokens 1.. (the first has none), on the request's first delta only.
+    prompt_logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # set when finish_reason == "error"
     spec: dict = field(default_factory=dict)  # speculation summary, on the last delta
 
@@ -36,3 +39,4 @@ class CompletionOutput:
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (the first has none)

@@ -42,6 +42,8 @@ class Request:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens) if tokenizer else None
         self.output_text = ""
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        # Entry i scores prompt token i + 1; filled chunk by chunk by the prefill (scores_prompt).
+        self.prompt_logprobs: list[TokenLogprob] | None = [] if params.scores_prompt else None
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -69,6 +71,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def add_prompt_logprobs(self, start: int, entries: list[TokenLogprob]) -> None:
+        """Entries ``start``, ``start + 1``, ... of ``prompt_logprobs`` from one prefill
+        chunk; those already held (a prompt recomputed after preemption) are kept."""
+        have = len(self.prompt_logprobs)
+        if start <= have:
+            self.prompt_logprobs.extend(entries[have - start :])
 
     def finish(self, reason: str, error: str | None = None) -> None:
         self.status = RequestStatus.FINISHED

@@ -3,8 +3,9 @@
 It turns a ``SchedulerOutput`` (plus the step's drafts) into flat input tensors
 built in numpy and copied once, runs the target ONCE over every scheduled token
 (prefill chunks, decodes, and each decode's draft chain), computes logits only
-at the positions that sample, and then either samples one token per request
-(no drafts) or verifies the drafts with the rejection sampler.
+at the positions that sample (and at the prompt positions of requests that ask
+for prompt logprobs), and then either samples one token per request (no
+drafts) or verifies the drafts with the rejection sampler.
 
 Rows: a request with ``k`` drafts contributes ``k + 1`` logit rows, row ``i``
 being the target's distribution after the first ``i`` drafts::
@@ -54,33 +55,72 @@ class ModelRunner:
         chains = [s.token_ids + tuple(drafts[s.request_id].token_ids if s.request_id in drafts else ()) for s in sched]
         if self.fault_hook:
             self.fault_hook("model", [s.request_id for s in sched])
-        logits, rows = self._forward(sched, chains)
+        logits, rows, prompt_logprobs = self._forward(sched, chains)
         if logits is None:
-            return RunnerOutput({})
+            return RunnerOutput({}, prompt_logprobs=prompt_logprobs)
         requests = [sched[i].request for i in rows]
         if self.fault_hook:
             self.fault_hook("sampler", [r.request_id for r in requests])
         row_drafts = [drafts.get(r.request_id) for r in requests]
         if not any(row_drafts):
-            return self._sample(logits, requests)
-        return self._verify(logits, requests, row_drafts)
+            result = self._sample(logits, requests)
+        else:
+            result = self._verify(logits, requests, row_drafts)
+        result.prompt_logprobs = prompt_logprobs
+        return result
 
     def _forward(self, sched: tuple[ScheduledRequest, ...], chains: list[tuple[int, ...]]):
-        """One target pass. Returns logits [R, vocab] of the sampling rows, and
-        the index (into ``sched``) of each sampling request."""
+        """One target pass. Returns logits [R, vocab] of the sampling rows, the
+        index (into ``sched``) of each sampling request, and the prompt logprobs
+        of this step's chunks (``_prompt_logprobs``)."""
         query_lens = np.array([len(c) for c in chains], dtype=np.int64)
         input_ids = np.fromiter((t for c in chains for t in c), dtype=np.int64, count=int(query_lens.sum()))
         positions = np.concatenate([np.arange(s.context_len, s.context_len + len(c)) for s, c in zip(sched, chains)])
         specs = [SeqSpec(s.context_len, len(c), list(s.block_table)) for s, c in zip(sched, chains)]
         meta = build_attention_metadata(specs, self.block_size, self.device)
         hidden = self.model(self._t(input_ids), self._t(positions), meta, self.kv)  # [T, hidden]
+        prompt_logprobs = self._prompt_logprobs(hidden, sched, query_lens)
         rows = [i for i, s in enumerate(sched) if s.sample]
         if not rows:
-            return None, rows
+            return None, rows, prompt_logprobs
         ends = np.cumsum(query_lens)
         # k + 1 rows per sampling request: its last scheduled token and its drafts.
         idx = np.concatenate([np.arange(ends[i] - (len(chains[i]) - len(sched[i].token_ids)) - 1, ends[i]) for i in rows])
-        return self.model.compute_logits(hidden[self._t(idx)]), rows
+        return self.model.compute_logits(hidden[self._t(idx)]), rows, prompt_logprobs
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, sched, query_lens: np.ndarray) -> dict[str, tuple[int, list]]:
+        """Logprobs of the prompt tokens that this step's chunks predict, for the
+        requests whose params ask (``scores_prompt``): the row at position p scores
+        prompt token p + 1, for p + 1 < num_prompt_tokens (the last prompt row
+        predicts the first output token: it samples). hidden [T, hidden].
+
+        Returns request id -> (p_first, entries): entry j scores prompt token
+        p_first + 1 + j, i.e. it is ``Request.prompt_logprobs[p_first + j]``.
+        Example: a 5-token prompt in chunks of 3 and 2 gives rows 0-2 (tokens
+        1-3) then row 3 (token 4); its last row 4 samples.
+        """
+        starts = np.cumsum(query_lens) - query_lens
+        idx, targets, spans = [], [], []
+        for i, s in enumerate(sched):
+            req = s.request
+            end = min(s.context_len + len(s.token_ids), req.num_prompt_tokens - 1)  # positions < end score
+            if not req.params.scores_prompt or end <= s.context_len:
+                continue
+            idx.extend(range(starts[i], starts[i] + end - s.context_len))
+            targets.extend(req.token_ids[s.context_len + 1 : end + 1])
+            spans.append((req, s.context_len, end - s.context_len))
+        if not idx:
+            return {}
+        logits = self.model.compute_logits(hidden[self._t(np.array(idx))])  # [len(idx), vocab]
+        top_n = max(req.params.prompt_logprobs for req, _, _ in spans)
+        lps = compute_logprobs(logits, torch.tensor(targets, device=self.device), top_n, rank=True)
+        out, j = {}, 0
+        for req, start, n in spans:
+            n_top = req.params.prompt_logprobs
+            entries = [TokenLogprob(lp.token_id, lp.logprob, lp.top[:n_top], lp.rank) for lp in lps[j : j + n]]
+            out[req.request_id] = (start, entries)
+            j += n
+        return out
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> RunnerOutput:
         """Plain decoding: one token per request. logits [n, vocab]."""

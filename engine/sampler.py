@@ -157,13 +157,16 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return torch.where(b.greedy, penalized_logits(logits, b).argmax(-1), random)
 
 
-def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> list[TokenLogprob]:
-    """Logprobs of the model's raw distribution: the chosen token's and the top ``top_n``."""
+def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int, rank: bool = False) -> list[TokenLogprob]:
+    """Logprobs of the model's raw distribution: the chosen token's and the top ``top_n``;
+    with ``rank``, also the chosen token's rank (1 + the number of likelier tokens)."""
     logp = logits.log_softmax(-1)
-    chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    chosen_t = logp.gather(1, tokens.unsqueeze(1))  # [n, 1]
+    chosen = chosen_t.squeeze(1).tolist()
+    ranks = ((logp > chosen_t).sum(-1) + 1).tolist() if rank else [None] * len(chosen)
     top_vals, top_ids = logp.topk(top_n, dim=-1) if top_n else (None, None)
     out = []
     for i, tok in enumerate(tokens.tolist()):
         top = tuple(zip(top_ids[i].tolist(), top_vals[i].tolist())) if top_n else ()
-        out.append(TokenLogprob(tok, chosen[i], top))
+        out.append(TokenLogprob(tok, chosen[i], top, ranks[i]))
     return out

@@ -18,7 +18,7 @@ class SamplingParams:
     and bias.
     """
 
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: prefill only (prompt logprobs), no token sampled, finish_reason "length"
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
@@ -33,6 +33,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-N logprobs per output token (0 = only the sampled token's)
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (0 = only the token's); see scores_prompt
     skip_special_tokens: bool = True
     speculate: bool = True  # per-request opt-out of speculative decoding
     extra: dict = field(default_factory=dict, compare=False)
@@ -48,7 +49,7 @@ class SamplingParams:
         _check(
             self.seed is None or 0 <= self.seed < 2**63, "seed", f"must be in [0, 2^63), got {self.seed}"
         )
-        _check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
+        _check(self.max_tokens >= 0, "max_tokens", f"must be at least 0, got {self.max_tokens}")
         _check(self.temperature >= 0, "temperature", f"must be non-negative, got {self.temperature}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, "top_k", f"must be -1 (disabled) or at least 1, got {self.top_k}")
@@ -67,6 +68,11 @@ class SamplingParams:
             "logprobs",
             f"must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}",
         )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            "prompt_logprobs",
+            f"must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}",
+        )
         for tok, bias in (self.logit_bias or {}).items():
             _check(isinstance(tok, int) and tok >= 0, "logit_bias", f"keys must be token ids, got {tok!r}")
             _check(
@@ -77,6 +83,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The request wants the log-probability of every prompt token, computed by
+        its own prefill: every prompt position must go through the model for it, so
+        a prefix cache must not skip any of its prompt tokens (it may still share
+        the blocks this prefill computes)."""
+        return self.prompt_logprobs is not None
 
     @property
     def has_penalties(self) -> bool:

@@ -36,7 +36,7 @@ class ScheduledRequest:
     token_ids: tuple[int, ...]  # tokens computed this step: positions context_len ..
     context_len: int  # tokens already in the KV cache
     block_table: tuple[int, ...]
-    sample: bool  # the last token's logits give the next token (False mid-prompt)
+    sample: bool  # the last token's logits give the next token (False mid-prompt and for max_tokens 0)
     num_draft_slots: int = 0  # drafts that may follow token_ids (KV slots reserved for them)
 
     @property
@@ -66,11 +66,14 @@ class SchedulerOutput:
 class RunnerOutput:
     sampled: dict[str, list[int]]  # request id -> new tokens: accepted drafts + recovered / bonus token
     logprobs: dict[str, list] = field(default_factory=dict)
+    # request id -> (index of its first entry in Request.prompt_logprobs, entries), per prefill chunk
+    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
     num_drafted: dict[str, int] = field(default_factory=dict)  # drafts verified, per request that had any
     num_accepted: dict[str, int] = field(default_factory=dict)
 
     def merge(self, other: "RunnerOutput") -> None:
         for mine, theirs in ((self.sampled, other.sampled), (self.logprobs, other.logprobs),
+                             (self.prompt_logprobs, other.prompt_logprobs),
                              (self.num_drafted, other.num_drafted), (self.num_accepted, other.num_accepted)):
             mine.update(theirs)
 
@@ -151,7 +154,8 @@ class Scheduler:
         """Move the first waiting request (new or preempted: nothing computed, no
         blocks) to running, computed up to its cached prefix. Returns how many
         tokens it computes this step; None, changing nothing, when blocks are short."""
-        cached = self.kv.find_cached_prefix(req.request_id, req.token_ids)
+        # A request that scores its prompt computes every prompt token (its blocks may still be shared).
+        cached = [] if req.params.scores_prompt else self.kv.find_cached_prefix(req.request_id, req.token_ids)
         start = len(cached) * self.kv.block_size
         n = min(req.num_tokens - start, budget)
         need = self.kv.num_new_blocks(req.request_id, start + n, cached)
@@ -204,7 +208,7 @@ class Scheduler:
             token_ids=tuple(req.token_ids[start : start + n]),
             context_len=start,
             block_table=tuple(self.kv.block_table(req.request_id)),
-            sample=start + n == req.num_tokens,
+            sample=start + n == req.num_tokens and req.params.max_tokens > 0,
             num_draft_slots=k,
         )
 
@@ -225,6 +229,8 @@ class Scheduler:
                 continue  # aborted during the step
             rid = req.request_id
             req.num_computed_tokens += len(s.token_ids) + result.num_accepted.get(rid, 0)
+            if rid in result.prompt_logprobs:
+                req.add_prompt_logprobs(*result.prompt_logprobs[rid])
             tokens = result.sampled.get(rid)
             if tokens:
                 if req.first_token_time is None:
@@ -233,6 +239,9 @@ class Scheduler:
                 touched.append(req)
             # A stop inside the accepted drafts leaves computed entries past the last kept token.
             self.kv.cache_blocks(rid, req.token_ids, min(req.num_computed_tokens, req.num_tokens))
+            if not tokens and req.params.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
+                req.finish("length")  # prefill only: nothing to sample
+                touched.append(req)
             if req.is_finished:
                 self.finish(req, req.finish_reason)
             elif tokens and s.num_draft_slots:

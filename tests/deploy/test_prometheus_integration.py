@@ -3,13 +3,10 @@ speculation on the default model), and PromQL's speculative acceptance rate
 equals the ratio of the server's own counters read from /metrics directly.
 
 Marked ``integration``, outside the default selection: ``make test-integration``.
-It runs the ``prometheus`` binary of Debian's ``prometheus`` package, installs
-the package when it is missing (as ``make tools`` does, with ``sudo -n`` when
-not root), and skips when that fails.
+It runs the ``prometheus`` binary of Debian's ``prometheus`` package (``make
+tools``, as root) and skips, saying so, when it is missing.
 """
 
-import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -20,17 +17,13 @@ import yaml
 
 from bench.server_procs import free_port, stop
 from deploy.dashboard import ACCEPTED, DRAFTED, DRAFTS, acceptance_length, acceptance_rate
-from tests.deploy.conftest import tool
+from tests.deploy.conftest import TOOLS_MISSING, tool
 from tests.deploy.test_prometheus import as_promql
 from tests.server.conftest import MODEL, llm_engine, wait_idle  # noqa: F401  (llm_engine: a fixture spec_engine uses)
 from tests.server.test_spec_metrics import COPY_PROMPT, scrape, server, spec_engine  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
-INSTALL = (
-    "apt-get update -qq && DEBIAN_FRONTEND=noninteractive "
-    "apt-get install -y -qq --no-install-recommends prometheus >/dev/null"
-)  # = the Makefile's `tools` target
 READY_TIMEOUT_S = 30
 SCRAPE_WAIT_S = 30  # scrapes come every second
 RELATIVE_TOLERANCE = 1e-9
@@ -38,24 +31,9 @@ RELATIVE_TOLERANCE = 1e-9
 
 @pytest.fixture(scope="session")
 def prometheus_bin() -> str:
-    """The prometheus binary; Debian's package is installed first when it is missing."""
-    path = tool("prometheus")
-    if path is not None:
-        return path
-    if os.geteuid() == 0:
-        command = ["sh", "-c", INSTALL]
-    elif sudo := shutil.which("sudo"):
-        command = [sudo, "-n", "sh", "-c", INSTALL]
-    else:
-        pytest.skip("prometheus is not installed, and neither root nor sudo is available to apt-get install it")
-    try:
-        r = subprocess.run(command, capture_output=True, text=True, timeout=600)
-        why = f"exit status {r.returncode}: {(r.stdout + r.stderr)[-1000:]}"
-    except (OSError, subprocess.TimeoutExpired) as e:
-        why = str(e)
     path = tool("prometheus")
     if path is None:
-        pytest.skip(f"prometheus is not installed and `{' '.join(command)}` failed ({why})")
+        pytest.skip(TOOLS_MISSING.format(name="prometheus"))
     return path
 
 

@@ -274,7 +274,8 @@ def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
 @pytest.mark.parametrize(
     "kw, param",
     [
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"temperature": -0.1}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.1}, "top_p"),

@@ -41,7 +41,7 @@ COMPLETION_400 = [
     ({"temperature": -0.5}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),
     ({"max_tokens": MAX_MODEL_LEN}, "max_tokens"),  # prompt + max_tokens beyond max-model-len
     ({"n": 5}, "n"),  # above --max-n
     ({"n": 0}, "n"),
@@ -63,7 +63,11 @@ COMPLETION_400 = [
     ({"stop_token_ids": [2**64]}, "stop_token_ids"),
     ({"suffix": "!"}, "suffix"),  # unsupported
     ({"best_of": 2}, "best_of"),
-    ({"echo": True, "logprobs": 1}, "logprobs"),
+    ({"echo": True, "logprobs": 21}, "logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"prompt_logprobs": "all"}, "prompt_logprobs"),
 ]
 
 
@@ -75,7 +79,9 @@ def test_completion_invalid_values_are_400(http, fields, param):
 
 CHAT_400 = [
     ({"temperature": -1}, "temperature"),
-    ({"max_completion_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": -1}, "max_tokens"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
