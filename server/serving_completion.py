@@ -16,7 +16,7 @@ from api.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from api.sse import sse_chunk
 from engine.outputs import RequestOutput
 from server.logprobs import TokenDecoder, completion_logprobs
-from server.params import build_params, check_n, per_choice, unsupported
+from server.params import build_params, check_n, guided_decoding, per_choice, unsupported
 from server.responses import ChoiceResult, respond
 from server.serving import ServingEngine
 
@@ -33,7 +33,8 @@ class CompletionServing:
         n = check_n(req.n, self.serving.settings.max_n)
         _refuse_unsupported(req, n)
         prompts = self._prompt_ids(req.prompt)
-        params = build_params(req, DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens, req.logprobs)
+        max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        params = build_params(req, max_tokens, req.logprobs, guided_decoding(req))
         cid = f"cmpl-{uuid.uuid4().hex}"
         gen = await self.serving.submit(cid, [(ids, p) for ids in prompts for p in per_choice(params, n)])
         gen.watch_disconnect(raw.receive)
