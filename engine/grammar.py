@@ -82,7 +82,7 @@ class Grammars:
                 return self.cache[key]
         try:
             compiled = self._compile(spec)
-        except (RuntimeError, ValueError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - any failure to compile is the grammar's problem
             raise InvalidParameter(spec.param, f"is not a valid {_WHAT[spec.kind]}: {_clean(e)}") from None
         with self.lock:
             self.cache[key] = compiled
@@ -164,6 +164,8 @@ class RequestGrammar:
             if not self.matcher.accept_token(t):
                 break
             n += 1
+            if self._stop_taken():  # nothing may follow a stop token
+                break
         self.matcher.rollback(n)
         return n
 

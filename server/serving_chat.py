@@ -3,6 +3,11 @@
 One prompt, n choices. A stream sends, per choice, a first chunk with
 ``delta: {"role": "assistant", "content": ""}``, then content chunks, then a
 chunk with an empty delta and the finish reason (OpenAI's sequence).
+
+Structured outputs: ``response_format`` or a ``guided_*`` field becomes the
+request's grammar (server/params.py). Tools (server/tools.py): rendered into the
+prompt; a required or named call is a grammar too; an answer that parses as a
+call comes back as ``tool_calls`` (in a stream: one delta before the finish chunk).
 """
 
 import time

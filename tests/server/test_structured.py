@@ -173,7 +173,7 @@ def test_json_object_and_guided_json_on_chat(spec_server):
     _, server = spec_server
     with server.http() as http:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "A JSON object about a cat."}], "temperature": 0}
-        r = http.post("/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}, "max_tokens": 200})
+        r = http.post("/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}, "max_tokens": 40})
         choice = r.json()["choices"][0]
         if choice["finish_reason"] == "stop":
             assert isinstance(json.loads(choice["message"]["content"]), dict)
