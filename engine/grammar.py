@@ -134,8 +134,7 @@ class RequestGrammar:
         )
         self.stop_ids = stop_ids
         self.vocab_size = vocab_size
-        self.num_drafted = 0  # tokens accepted on top of the committed state (a drafted prefix)
-        self.drafted: tuple[int, ...] = ()
+        self.drafted: tuple[int, ...] = ()  # tokens accepted on top of the committed state
 
     def accept(self, token: int) -> bool:
         """Commit one output token; False when the grammar does not allow it."""
@@ -171,11 +170,11 @@ class RequestGrammar:
 
     def fill(self, bitmask: torch.Tensor, row: int, prefix: Sequence[int]) -> None:
         """Row ``row`` of an int32 bitmask: the tokens allowed after the committed state plus
-        ``prefix`` (every prefix must be allowed; consecutive calls that extend a prefix
-        cost one token each). A row after a taken stop token allows everything: nothing
-        sampled there is kept."""
-        self._to_prefix(tuple(prefix))
-        if self._stop_taken():
+        ``prefix`` (consecutive calls that extend a prefix cost one token each). A row
+        after a stop token or a token outside the grammar allows everything: only a
+        drafter meets one (verification rows never do: such drafts are cut), and
+        nothing drafted there is kept."""
+        if not self._to_prefix(tuple(prefix)) or self._stop_taken():
             bitmask[row] = -1
         else:
             self.matcher.fill_next_token_bitmask(bitmask, row)
@@ -183,16 +182,18 @@ class RequestGrammar:
     def _stop_taken(self) -> bool:
         return bool(self.stop_ids) and self.matcher.is_terminated()
 
-    def _to_prefix(self, prefix: tuple[int, ...]) -> None:
-        """Roll back / accept so that the matcher sits at committed + ``prefix``."""
+    def _to_prefix(self, prefix: tuple[int, ...]) -> bool:
+        """Roll back / accept so that the matcher sits at committed + ``prefix``; False
+        (the matcher then at the longest allowed part of it) when the grammar does not
+        allow all of ``prefix``."""
         common = 0
         while common < min(len(prefix), len(self.drafted)) and prefix[common] == self.drafted[common]:
             common += 1
         if len(self.drafted) > common:
             self.matcher.rollback(len(self.drafted) - common)
-        for i in range(common, len(prefix)):
-            if not self.matcher.accept_token(prefix[i]):
-                self.matcher.rollback(i - common)
-                self.drafted = prefix[:common]
-                raise ValueError(f"drafted token {prefix[i]} is outside the grammar")
-        self.drafted = prefix
+        self.drafted = prefix[:common]
+        for t in prefix[common:]:
+            if self._stop_taken() or not self.matcher.accept_token(t):
+                return False
+            self.drafted += (t,)
+        return True
