@@ -129,7 +129,7 @@ def schema_request(i: int, seed: int) -> dict:
 def run_schema_requests(server, num_requests: int) -> list[str]:
     """``num_requests`` sampled chat requests, round-robin over the schemas, sent at once;
     asserts that every answer parses, validates and finished with "stop"."""
-    with server.http() as http, ThreadPoolExecutor(16) as pool:
+    with server.http(timeout=1800) as http, ThreadPoolExecutor(16) as pool:
         responses = list(pool.map(lambda i: http.post("/v1/chat/completions", json=schema_request(i, 1000 + i)), range(num_requests)))
     texts = []
     for i, r in enumerate(responses):
