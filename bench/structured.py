@@ -81,14 +81,16 @@ def run(args) -> dict:
     base = LLMEngine(EngineConfig(ModelConfig(max_model_len=1024, dtype="float32"), CacheConfig(num_blocks=128)))
     prompts = [render_chat(base.tokenizer, prompt(p)) for p in PEOPLE[: args.prompts]]
     guided = GuidedDecoding("json", json.dumps(SCHEMA))
-    results = {}
+    engines, params = {}, {}
     for name, (spec, constrained) in METHODS.items():
-        engine = engine_for(base, spec)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=0, guided=guided if constrained else None)
-        run_one(engine, prompts[0], params)  # warm-up
-        runs = [run_one(engine, ids, params) for ids in prompts]
-        results[name] = runs
-        print(name, sum(r[1] for r in runs), "tokens", f"{sum(r[3] for r in runs):.1f} s", flush=True)
+        engines[name] = engine_for(base, spec)
+        params[name] = SamplingParams(max_tokens=args.max_tokens, temperature=0, guided=guided if constrained else None)
+        run_one(engines[name], prompts[0], params[name])  # warm-up
+    results = {name: [] for name in METHODS}
+    for i, ids in enumerate(prompts):  # prompt by prompt, every method in turn: ratios side by side
+        for name in METHODS:
+            results[name].append(run_one(engines[name], ids, params[name]))
+        print(f"prompt {i}:", " ".join(f"{n} {r[-1][1] / r[-1][3]:.1f} tok/s" for n, r in results.items()), flush=True)
     return results
 
 
