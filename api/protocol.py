@@ -89,6 +89,11 @@ class SamplingRequest(BaseModel):
     prompt_logprobs: Int64 | None = None  # top-N per prompt token, answered in vLLM's shape (not with stream)
     # specserve: false opts this request out of speculative decoding.
     speculative_decoding: bool | None = True
+    # vLLM's structured-output extras (at most one; see server/params.py): a JSON schema
+    # (an object, or JSON text), a regular expression, a list of strings to pick one of.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -126,6 +131,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -133,10 +140,10 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Int64 | None = None
     logprobs: bool | None = False
     top_logprobs: Int64 | None = None
-    # Refused when set to anything but "off": unsupported.
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # checked by server/tools.py
     tool_choice: Any = None
-    functions: list[Any] | None = None
+    functions: list[Any] | None = None  # refused: the deprecated form of tools
+    # {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
     response_format: dict[str, Any] | None = None
 
 
@@ -257,9 +264,34 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # the arguments object as JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(ToolCall):
+    """A tool call in a stream delta (sent whole, in one chunk)."""
+
+    index: int
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None  # left out when the answer is not a tool call
+
+    @model_serializer(mode="wrap")
+    def _omit_no_tool_calls(self, handler):
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -281,6 +313,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):

@@ -22,7 +22,7 @@ from drafters.base import Draft, Drafter, DraftSlot, register
 from engine.attention import SeqSpec, build_attention_metadata
 from engine.models.llama import head_dim_of
 from engine.request import Request
-from engine.sampler import build_sampling_batch, exponential_noise, penalized_logits, processed_probs
+from engine.sampler import build_sampling_batch, exponential_noise, mask_logits, penalized_logits, processed_probs
 from kvcache import KVCacheManager
 from kvcache.tensors import KVSpec, PagedKV
 
@@ -39,7 +39,8 @@ class SamplingDrafter(Drafter):
     def _sample(self, logits: torch.Tensor, requests: list[Request], drafts: dict[str, list[int]]):
         """logits [n, vocab], one row per request -> (q [n, vocab], one draft token per request).
 
-        q is processed with each request's own settings, its earlier drafts in the context.
+        q is processed with each request's own settings, its earlier drafts in the context,
+        over the tokens its grammar allows after them (if it has one).
         """
         batch = build_sampling_batch(
             requests,
@@ -48,6 +49,7 @@ class SamplingDrafter(Drafter):
             [self._generator(r) for r in requests],
             [tuple(drafts[r.request_id]) for r in requests],
         )
+        logits = mask_logits(logits, requests, [drafts[r.request_id] for r in requests])
         q = processed_probs(logits, batch)
         sampled = (q / exponential_noise(q.shape, batch.generators, self.device)).argmax(-1)
         tokens = torch.where(batch.greedy, penalized_logits(logits, batch).argmax(-1), sampled)

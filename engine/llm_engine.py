@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from drafters.base import DraftSlot, build_drafter
+from drafters.base import Draft, DraftSlot, build_drafter
 
 from engine.config import EngineConfig
 from engine.cost_tracker import CostTracker
@@ -73,6 +73,7 @@ class LLMEngine:
         self.stat_loggers: list = []  # callables taking each step's StepStats
         self.fault_hook: FaultHook | None = None
         self.step_fallbacks = 0  # 1 when the drafter failed in the current step
+        self._grammars = None  # engine.grammar.Grammars, built at the first structured request
         log.info("engine ready: %d KV blocks of %d tokens on %s (%s); matmul inputs padded to %d rows",
                  num_blocks, spec.block_size, device, dtype, getattr(model, "min_rows", 1))
 
@@ -88,6 +89,8 @@ class LLMEngine:
             raise InvalidParameter("prompt", f"token ids must be in [0, {vocab})")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise InvalidParameter("logit_bias", f"keys must be token ids in [0, {vocab})")
+        if params.guided is not None:
+            self.grammars.compile(params.guided)  # cached: the engine's own check is then free
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise InvalidParameter(
                 "max_tokens",
@@ -101,8 +104,26 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, ids, params, self.eos_token_ids, self.tokenizer)
+        if params.guided is not None:
+            # EOS ends a structured output where its grammar accepts, even with ignore_eos.
+            req.grammar = self.grammars.matcher(params.guided, self.eos_token_ids | set(params.stop_token_ids))
         self.scheduler.add(req)
         return req
+
+    @property
+    def grammars(self):
+        """Compiled grammars of structured outputs (``engine.grammar``) for this vocabulary."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise InvalidParameter("guided", "structured outputs need the model's tokenizer")
+            from engine.grammar import Grammars  # xgrammar loads only when a request needs it
+
+            self._grammars = Grammars.from_tokenizer(self.tokenizer, self.model.config.vocab_size)
+        return self._grammars
+
+    @grammars.setter
+    def grammars(self, value) -> None:
+        self._grammars = value
 
     def spec_summary(self, request_id: str) -> dict:
         """The request's speculation record (empty without speculation)."""
@@ -176,7 +197,7 @@ class LLMEngine:
         try:
             if self.fault_hook:
                 self.fault_hook("drafter", [s.request.request_id for s in slots])
-            return self.drafter.propose(slots)
+            return _cut_to_grammar(self.drafter.propose(slots), slots)
         except Exception:  # noqa: BLE001 - speculation is an optimization: decode plainly instead
             log.exception("drafter failed; %d requests decode without drafts this step", len(slots))
             self.step_fallbacks = 1
@@ -265,6 +286,22 @@ class LLMEngine:
         self.policy.free(req.request_id)
         self.drafter.free(req.request_id)
         return summary
+
+
+def _cut_to_grammar(drafts: dict, slots: list[DraftSlot]) -> dict:
+    """Each draft chain of a request with a grammar, cut at its first token outside the
+    grammar (before the target pass; exact, see ``engine.grammar``)."""
+    for s in slots:
+        rid, grammar = s.request.request_id, s.request.grammar
+        if grammar is None or rid not in drafts:
+            continue
+        d = drafts[rid]
+        n = grammar.valid_draft_prefix(d.token_ids)
+        if n == 0:
+            del drafts[rid]
+        elif n < len(d.token_ids):
+            drafts[rid] = Draft(d.token_ids[:n], None if d.probs is None else d.probs[:n])
+    return drafts
 
 
 def _eos_ids(hf_config, tokenizer) -> frozenset[int]:

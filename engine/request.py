@@ -48,6 +48,9 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.num_preemptions = 0
+        # The structured-output matcher (engine.grammar.RequestGrammar), set by the engine
+        # when params.guided is; it follows the committed tokens only.
+        self.grammar = None
         # Delta bookkeeping: what the last emitted RequestOutput covered.
         self.num_emitted_tokens = 0
         self.num_emitted_chars = 0

@@ -26,6 +26,7 @@ from engine.sampler import (
     build_sampling_batch,
     compute_logprobs,
     exponential_noise,
+    mask_logits,
     penalized_logits,
     processed_probs,
     sample,
@@ -123,9 +124,10 @@ class ModelRunner:
         return out
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> RunnerOutput:
-        """Plain decoding: one token per request. logits [n, vocab]."""
+        """Plain decoding: one token per request. logits [n, vocab]; logprobs are of the raw
+        logits, the sample of the grammar-masked ones."""
         batch = build_sampling_batch(requests, self.vocab_size, self.device, self._generators(requests))
-        tokens = sample(logits, batch)
+        tokens = sample(mask_logits(logits, requests), batch)
         result = RunnerOutput({r.request_id: [t] for r, t in zip(requests, tokens.tolist())})
         if batch.num_logprobs is not None:
             self._add_logprobs(result, logits, tokens, requests, batch.num_logprobs)
@@ -145,15 +147,16 @@ class ModelRunner:
         prefixes = [tuple(drafts[i].token_ids[:p]) if drafts[i] else () for i, p in zip(row_req, row_pos)]
         batch = build_sampling_batch(row_requests, self.vocab_size, self.device, [None] * len(row_req), prefixes)
         rr, rp = self._t(row_req), self._t(row_pos)
+        masked = mask_logits(logits, row_requests, prefixes)  # row i: the grammar after its drafts
         argmax = torch.zeros(n, k_max + 1, dtype=torch.long, device=self.device)
-        argmax[rr, rp] = penalized_logits(logits, batch).argmax(-1)
+        argmax[rr, rp] = penalized_logits(masked, batch).argmax(-1)
         ids = np.full((n, k_max), PLACEHOLDER, dtype=np.int64)
         ids[row_req[row_pos > 0], row_pos[row_pos > 0] - 1] = [t for d in drafts if d for t in d.token_ids]
         draft_ids = self._t(ids)  # [n, k_max]
         if batch.all_greedy:
             out, accepted = greedy_verify(argmax, draft_ids)
         else:
-            out, accepted = self._rejection_sample(logits, batch, requests, drafts, argmax, draft_ids, k, rr, rp)
+            out, accepted = self._rejection_sample(masked, batch, requests, drafts, argmax, draft_ids, k, rr, rp)
         result = RunnerOutput({}, num_drafted={}, num_accepted={})
         for i, (r, tokens, j) in enumerate(zip(requests, out.tolist(), accepted.tolist())):
             result.sampled[r.request_id] = tokens[: j + 1]

@@ -6,12 +6,17 @@ frequency penalties (output tokens), logit_bias, temperature, top-k, top-p
 (over the top-k set, renormalized), min-p. Greedy rows take the argmax after
 penalties and bias.
 
+A request with a grammar (structured output) has its logits masked first
+(``mask_logits``): tokens the grammar forbids after the row's prefix are at -inf
+before any of the processing above, so p is renormalized over the allowed set.
+
 Random rows are drawn by the exponential race ``argmax(p / E)`` with
 ``E ~ Exp(1)`` i.i.d. per token, which selects token ``x`` with probability
 exactly ``p(x)``. A request with a seed draws its ``E`` from its own generator,
 so its samples do not depend on what else is in the batch.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -169,4 +174,31 @@ def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int, ran
     for i, tok in enumerate(tokens.tolist()):
         top = tuple(zip(top_ids[i].tolist(), top_vals[i].tolist())) if top_n else ()
         out.append(TokenLogprob(tok, chosen[i], top, ranks[i]))
+    return out
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 bitmask [n, ceil(V / 32)] -> bool [n, V] (bit ``j`` of word ``w`` is token ``32 w + j``)."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [n, W, 32]
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def mask_logits(logits: torch.Tensor, requests: Sequence, prefixes: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """``logits`` [n, V] with the tokens outside each row's grammar (``engine.grammar``, the
+    rule and why it keeps speculation exact) at -inf; row i belongs to
+    ``requests[i]``, after its committed tokens plus ``prefixes[i]`` (drafts). Rows of
+    requests without a grammar are untouched; with no grammar at all this returns
+    ``logits`` itself at the cost of one scan of ``requests``."""
+    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not rows:
+        return logits
+    vocab = logits.shape[-1]
+    bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
+    for j, i in enumerate(rows):
+        requests[i].grammar.fill(bitmask, j, prefixes[i] if prefixes else ())
+    allowed = unpack_bitmask(bitmask, vocab).to(logits.device)  # [len(rows), V]
+    index = torch.tensor(rows, device=logits.device)
+    out = logits.clone()
+    out[index] = logits[index].masked_fill(~allowed, -torch.inf)
     return out

@@ -4,8 +4,27 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+GUIDED_KINDS = ("json", "json_object", "regex", "choice")
 MAX_TOP_K = 1 << 20  # more than any vocabulary; larger values are refused, not clamped
 GREEDY_EPS = 1e-5  # temperatures below this are greedy
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """A grammar the output must follow (compiled by ``engine.grammar.Grammars``).
+
+    ``kind`` "json": ``value`` is a JSON schema (as JSON text); "json_object": any JSON
+    object (``value`` unused); "regex": a regular expression; "choice": a JSON list of
+    strings, the output being exactly one of them. ``param`` names the request field
+    it came from, for error messages.
+    """
+
+    kind: str
+    value: str = ""
+    param: str = field(default="guided", compare=False)
+
+    def __post_init__(self):
+        _check(self.kind in GUIDED_KINDS, self.param, f"kind must be one of {GUIDED_KINDS}, got {self.kind!r}")
 
 
 @dataclass(frozen=True)
@@ -36,6 +55,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (0 = only the token's); see scores_prompt
     skip_special_tokens: bool = True
     speculate: bool = True  # per-request opt-out of speculative decoding
+    guided: GuidedDecoding | None = None  # structured output: the grammar the output follows
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):

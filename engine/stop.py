@@ -1,7 +1,9 @@
 """Appending sampled tokens to a request and applying its stop conditions.
 
 Tokens are appended one at a time, so a stop inside a run of several accepted
-tokens (speculative decoding) drops everything after it.
+tokens (speculative decoding) drops everything after it. A request with a
+grammar advances its matcher with each committed token and stops ("stop") once
+the grammar is done (see ``engine.grammar``).
 """
 
 from engine.outputs import TokenLogprob
@@ -22,7 +24,7 @@ def append_tokens(
             return i + 1
         reason = _token_stop(request, tok, max_model_len)
         if reason:
-            request.finish(reason)
+            request.finish(reason, f"token {tok} is outside the request's grammar" if reason == "error" else None)
             return i + 1
     return len(token_ids)
 
@@ -30,6 +32,11 @@ def append_tokens(
 def _token_stop(request: Request, tok: int, max_model_len: int) -> str | None:
     if tok in request.stop_ids:
         return "stop"
+    if request.grammar is not None:
+        if not request.grammar.accept(tok):  # the masks make this impossible; never go past it
+            return "error"
+        if request.grammar.is_done:
+            return "stop"
     if request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= max_model_len:
         return "length"
     return None

@@ -2,14 +2,18 @@
 
 Value ranges are the engine's (``SamplingParams.__post_init__`` raises
 ``InvalidParameter`` naming the field); this module adds what only a request
-has: n and its limit, OpenAI's null-means-default, the fields we refuse.
+has: n and its limit, OpenAI's null-means-default, the fields we refuse, and
+the structured-output fields turned into one ``GuidedDecoding`` (whose grammar
+the engine compiles at the door: an invalid schema or regex is a 400 there).
 """
 
 import dataclasses
+import json
+from typing import Any
 
 from api.errors import APIError, bad_request
 from api.protocol import SamplingRequest
-from engine.sampling_params import InvalidParameter, SamplingParams
+from engine.sampling_params import GuidedDecoding, InvalidParameter, SamplingParams
 
 
 def unsupported(param: str, why: str = "") -> APIError:
@@ -38,7 +42,8 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def build_params(
-    req: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    req: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+    guided: GuidedDecoding | None = None,
 ) -> SamplingParams:
     """The engine parameters of one choice; raises a 400 ``APIError`` naming the bad field."""
     try:
@@ -61,9 +66,62 @@ def build_params(
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=_or(req.skip_special_tokens, True),
             speculate=_or(req.speculative_decoding, True),
+            guided=guided,
         )
     except InvalidParameter as e:
         raise bad_request(str(e), param=e.param) from None
+
+
+def guided_decoding(req: SamplingRequest) -> GuidedDecoding | None:
+    """The grammar asked by ``response_format`` (chat) or vLLM's ``guided_json`` /
+    ``guided_regex`` / ``guided_choice``; at most one of them. Shapes only: the
+    grammar itself is checked when the engine compiles it."""
+    found = [g for g in (_response_format(getattr(req, "response_format", None)), _vllm_guided(req)) if g]
+    if len(found) > 1:
+        raise bad_request("response_format and guided_* cannot be combined", param="response_format")
+    return found[0] if found else None
+
+
+def _response_format(fmt: dict[str, Any] | None) -> GuidedDecoding | None:
+    kind = (fmt or {}).get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return GuidedDecoding("json_object", "", "response_format")
+    if kind != "json_schema":
+        raise bad_request(
+            f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", param="response_format"
+        )
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise bad_request(
+            "response_format.json_schema must be an object whose 'schema' is a JSON schema object",
+            param="response_format",
+        )
+    return GuidedDecoding("json", json.dumps(spec.get("schema", {"type": "object"})), "response_format")
+
+
+def _vllm_guided(req: SamplingRequest) -> GuidedDecoding | None:
+    asked = [f for f in ("guided_json", "guided_regex", "guided_choice") if getattr(req, f) is not None]
+    if len(asked) > 1:
+        raise bad_request(f"at most one of guided_json, guided_regex, guided_choice, got {asked}", param=asked[1])
+    if req.guided_json is not None:
+        schema = req.guided_json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise bad_request(f"guided_json is not valid JSON: {e}", param="guided_json") from None
+        if not isinstance(schema, dict):
+            raise bad_request("guided_json must be a JSON schema object", param="guided_json")
+        return GuidedDecoding("json", json.dumps(schema), "guided_json")
+    if req.guided_regex is not None:
+        return GuidedDecoding("regex", req.guided_regex, "guided_regex")
+    if req.guided_choice is not None:
+        if not req.guided_choice or not all(req.guided_choice):
+            raise bad_request("guided_choice must be a non-empty list of non-empty strings", param="guided_choice")
+        return GuidedDecoding("choice", json.dumps(req.guided_choice), "guided_choice")
+    return None
 
 
 def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:

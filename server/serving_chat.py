@@ -3,6 +3,11 @@
 One prompt, n choices. A stream sends, per choice, a first chunk with
 ``delta: {"role": "assistant", "content": ""}``, then content chunks, then a
 chunk with an empty delta and the finish reason (OpenAI's sequence).
+
+Structured outputs: ``response_format`` or a ``guided_*`` field becomes the
+request's grammar (server/params.py). Tools (server/tools.py): rendered into the
+prompt; a required or named call is a grammar too; an answer that parses as a
+call comes back as ``tool_calls`` (in a stream: one delta before the finish chunk).
 """
 
 import time
@@ -23,15 +28,17 @@ from api.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
+    DeltaToolCall,
     SpecDecodeUsage,
     Usage,
 )
 from api.sse import sse_chunk
 from engine.outputs import RequestOutput
 from server.logprobs import TokenDecoder, chat_logprobs, vllm_prompt_logprobs
-from server.params import build_params, check_n, check_prompt_logprobs, per_choice, unsupported
+from server.params import build_params, check_n, check_prompt_logprobs, guided_decoding, per_choice, unsupported
 from server.responses import ChoiceResult, respond
 from server.serving import ServingEngine
+from server.tools import Tools, render_call_history, request_tools, tool_instruction
 
 
 class ChatServing:
@@ -42,22 +49,37 @@ class ChatServing:
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model = self.serving.check_model(req.model)
         n = check_n(req.n, self.serving.settings.max_n)
-        _refuse_unsupported(req)
         check_prompt_logprobs(req)
-        ids = self._prompt_ids(req.messages)
-        params = build_params(req, self._max_tokens(req, len(ids)), _engine_logprobs(req), req.prompt_logprobs)
+        tools = request_tools(req)
+        guided = guided_decoding(req)
+        if tools is not None and tools.guided is not None:
+            if guided is not None:
+                raise bad_request("tool_choice 'required' or a named function cannot be combined with "
+                                  "response_format or guided_*", param="tool_choice")
+            guided = tools.guided
+        ids = self._prompt_ids(req.messages, tools)
+        params = build_params(req, self._max_tokens(req, len(ids)), _engine_logprobs(req), req.prompt_logprobs, guided)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         gen = await self.serving.submit(cid, [(ids, p) for p in per_choice(params, n)])
         gen.watch_disconnect(raw.receive)
-        view = _View(cid, model, n, len(ids), self.decode, bool(req.logprobs), req.prompt_logprobs, req.include_usage)
+        view = _View(cid, model, n, len(ids), self.decode, bool(req.logprobs), req.prompt_logprobs,
+                     req.include_usage, tools)
         return await respond(gen, view, bool(req.stream))
 
-    def _prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
+    def _prompt_ids(self, messages: list[ChatMessage], tools: Tools | None) -> list[int]:
         if not messages:
             raise bad_request("messages must not be empty", param="messages")
-        plain = [{"role": _role(m.role), "content": _content(m, i)} for i, m in enumerate(messages)]
+        plain = [_plain(m, i) for i, m in enumerate(messages)]
+        tokenizer, extra = self.serving.tokenizer, {}
+        if tools is not None:
+            if "tools" in (tokenizer.chat_template or ""):
+                extra["tools"] = [{"type": "function", "function": f} for f in tools.functions]
+            elif plain[0]["role"] == "system":
+                plain[0] = {**plain[0], "content": plain[0]["content"] + "\n\n" + tool_instruction(tools)}
+            else:
+                plain.insert(0, {"role": "system", "content": tool_instruction(tools)})
         try:
-            text = self.serving.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False, **extra)
         except jinja2.TemplateError as e:
             raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from None
         return self.serving.llm.tokenize(text)
@@ -77,6 +99,14 @@ class ChatServing:
         return room
 
 
+def _plain(message: ChatMessage, index: int) -> dict:
+    """A message as the chat template takes it; an assistant's earlier tool calls in the call format."""
+    plain = {"role": _role(message.role), "content": _content(message, index)}
+    if message.tool_calls:
+        plain["content"] = render_call_history(plain, message.tool_calls)
+    return plain
+
+
 def _role(role: str) -> str:
     return "system" if role == "developer" else role
 
@@ -92,15 +122,6 @@ def _content(message: ChatMessage, index: int) -> str:
     return "".join(texts)
 
 
-def _refuse_unsupported(req: ChatCompletionRequest) -> None:
-    if req.tools or req.functions:
-        raise unsupported("tools" if req.tools else "functions")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise unsupported("tool_choice")
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise unsupported("response_format", " (only type 'text')")
-
-
 def _engine_logprobs(req: ChatCompletionRequest) -> int | None:
     if not req.logprobs:
         if req.top_logprobs:
@@ -109,17 +130,34 @@ def _engine_logprobs(req: ChatCompletionRequest) -> int | None:
     return 0 if req.top_logprobs is None else req.top_logprobs
 
 
-class _View:
-    """Renders one request's engine deltas as OpenAI chat objects."""
+def could_be_call(tools: Tools, text: str) -> bool:
+    """Whether ``text``, the start of an answer, may still become a tool call."""
+    if tools.choice != "auto":
+        return True
+    head = text.lstrip()
+    return not head or head[0] in "{[" or head.startswith("<tool_call>") or "<tool_call>".startswith(head)
 
-    def __init__(self, cid, model, n, num_prompt_tokens, decode, want_logprobs, prompt_logprobs, include_usage):
+
+class _View:
+    """Renders one request's engine deltas as OpenAI chat objects.
+
+    With tools, a choice's text is held back while it may still be a tool call (all
+    of it under a required call; in "auto" while it starts like one, see
+    ``could_be_call``); at its end it goes out as one ``tool_calls`` delta, or as
+    content if it does not parse.
+    """
+
+    def __init__(self, cid, model, n, num_prompt_tokens, decode, want_logprobs, prompt_logprobs, include_usage,
+                 tools=None):
         self.cid, self.model, self.num_prompt_tokens = cid, model, num_prompt_tokens
         self.decode, self.want_logprobs, self.include_usage = decode, want_logprobs, include_usage
         self.prompt_logprobs = prompt_logprobs  # top-N asked (vLLM's extra), or None
+        self.tools: Tools | None = tools
         self.created = int(time.time())
         self.started = [False] * n
         self.completion_tokens = [0] * n
         self.spec = [{}] * n
+        self.held: list[tuple[str, list] | None] = [("", []) if tools else None for _ in range(n)]
 
     def render(self, index: int, out: RequestOutput):
         if not self.started[index]:
@@ -128,15 +166,26 @@ class _View:
         self.completion_tokens[index] = out.num_output_tokens
         if out.finished:
             self.spec[index] = out.spec
-        if out.new_text or (self.want_logprobs and out.logprobs):
-            lp = (
-                ChatChoiceLogprobs(content=chat_logprobs(out.logprobs or [], self.decode))
-                if self.want_logprobs
-                else None
-            )
-            yield self._chunk(index, DeltaMessage(content=out.new_text), lp)
+        text, logprobs = out.new_text, out.logprobs or []
+        if self.held[index] is not None:
+            text, logprobs = self.held[index][0] + text, self.held[index][1] + logprobs
+            if not out.finished and could_be_call(self.tools, text):
+                self.held[index] = (text, logprobs)
+                return
+            self.held[index] = None
+            calls = self.tools.parse(text) if out.finished else None
+            if calls:
+                deltas = [DeltaToolCall(index=i, **c.model_dump()) for i, c in enumerate(calls)]
+                yield self._chunk(index, DeltaMessage(tool_calls=deltas), self._logprobs(logprobs))
+                yield self._chunk(index, DeltaMessage(), finish_reason="tool_calls")
+                return
+        if text or (self.want_logprobs and logprobs):
+            yield self._chunk(index, DeltaMessage(content=text), self._logprobs(logprobs))
         if out.finished:
             yield self._chunk(index, DeltaMessage(), finish_reason=out.finish_reason)
+
+    def _logprobs(self, logprobs: list) -> ChatChoiceLogprobs | None:
+        return ChatChoiceLogprobs(content=chat_logprobs(logprobs, self.decode)) if self.want_logprobs else None
 
     def tail(self):
         if self.include_usage:
@@ -155,17 +204,14 @@ class _View:
         return sse_chunk(chunk, include_usage=self.include_usage)
 
     def response(self, results: list[ChoiceResult]) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
-                index=i,
-                message=ChatResponseMessage(content=r.text),
-                logprobs=ChatChoiceLogprobs(content=chat_logprobs(r.logprobs, self.decode))
-                if self.want_logprobs
-                else None,
-                finish_reason=r.finish_reason,
-            )
-            for i, r in enumerate(results)
-        ]
+        choices = []
+        for i, r in enumerate(results):
+            calls = self.tools.parse(r.text) if self.tools is not None else None
+            message = ChatResponseMessage(content=None, tool_calls=calls) if calls else ChatResponseMessage(content=r.text)
+            choices.append(ChatChoice(
+                index=i, message=message, logprobs=self._logprobs(r.logprobs),
+                finish_reason="tool_calls" if calls else r.finish_reason,
+            ))
         usage = self._usage(sum(r.num_output_tokens for r in results), [r.spec for r in results])
         prompt_lp = None  # the choices share the prompt: vLLM sends its logprobs once
         if self.prompt_logprobs is not None and results and results[0].prompt_logprobs is not None:

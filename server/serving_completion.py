@@ -29,7 +29,7 @@ from api.protocol import (
 from api.sse import sse_chunk
 from engine.outputs import RequestOutput
 from server.logprobs import TokenDecoder, completion_logprobs, echo_logprobs, vllm_prompt_logprobs
-from server.params import build_params, check_n, check_prompt_logprobs, per_choice, unsupported
+from server.params import build_params, check_n, check_prompt_logprobs, guided_decoding, per_choice, unsupported
 from server.responses import ChoiceResult, respond
 from server.serving import ServingEngine
 
@@ -49,7 +49,8 @@ class CompletionServing:
         prompts = self._prompt_ids(req.prompt)
         max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         scored = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
-        params = build_params(req, max_tokens, req.logprobs, max(scored) if scored else None)
+        params = build_params(req, max_tokens, req.logprobs, max(scored) if scored else None,
+                              guided_decoding(req))
         cid = f"cmpl-{uuid.uuid4().hex}"
         gen = await self.serving.submit(cid, [(ids, p) for ids in prompts for p in per_choice(params, n)])
         gen.watch_disconnect(raw.receive)

@@ -93,8 +93,8 @@ CHAT_400 = [
     ({"logprobs": True, "top_logprobs": 21}, "logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"n": 9}, "n"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {}}]}, "tools"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}}, "response_format"),
 ]
 
 

@@ -1,0 +1,290 @@
+"""Structured outputs and tools over HTTP on the default model: ``response_format``
+(``json_object``, ``json_schema``), vLLM's ``guided_json`` / ``guided_regex`` /
+``guided_choice``, and ``tools`` with ``tool_choice``, with speculation off,
+with prompt lookup (ngram) and with a model drafter (early exit).
+
+Sampled requests (temperature 1) against five JSON schemas must all parse and
+validate (``jsonschema``): a few per drafter in the default suite, 100 per
+drafter under the ``slow`` marker.
+"""
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from engine.llm_engine import LLMEngine
+from server.tools import Tools
+from tests.server.conftest import MAX_MODEL_LEN, MODEL, NUM_BLOCKS, LiveServer, settings, sse_events, wait_idle
+
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "sentiment": {"enum": ["positive", "negative", "neutral"]},
+            "is_question": {"type": "boolean"},
+            "score": {"type": "integer", "minimum": 1, "maximum": 5},
+        },
+        "required": ["sentiment", "is_question", "score"],
+    },
+    {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1, "maxItems": 3}},
+        "required": ["tags"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "city": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}},
+                "required": ["name", "country"],
+            },
+            "population": {"type": "integer", "minimum": 0, "maximum": 100000000},
+        },
+        "required": ["city", "population"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+            "priority": {"enum": [1, 2, 3]},
+            "note": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 16}]},
+        },
+        "required": ["code", "priority", "note"],
+    },
+]
+PROMPTS = [
+    "Describe a person as JSON.",
+    "Is 'I love this!' positive? Answer in JSON.",
+    "Give tags for a blog post about cooking, as JSON.",
+    "Describe a city as JSON.",
+    "Make a support ticket as JSON.",
+]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}, "b": {"type": "integer", "minimum": 0, "maximum": 999}},
+            "required": ["a", "b"],
+        },
+    },
+}
+SPEC = {
+    "off": None,
+    "ngram": dict(method="ngram", num_speculative_tokens=3, adaptive=False, verify_cost=0.1),
+    "early_exit": dict(method="early_exit", num_speculative_tokens=3, adaptive=False, verify_cost=0.1),
+}
+
+
+@pytest.fixture(scope="module", params=list(SPEC))
+def spec_server(request, default_engine):
+    spec = SPEC[request.param]
+    config = EngineConfig(
+        ModelConfig(max_model_len=MAX_MODEL_LEN),
+        CacheConfig(num_blocks=NUM_BLOCKS),
+        SchedulerConfig(),
+        SpeculativeConfig(**spec) if spec else SpeculativeConfig(),
+    )
+    engine = LLMEngine(config, model=default_engine.model, tokenizer=default_engine.tokenizer)
+    with LiveServer(settings(), engine) as server:
+        yield request.param, server
+    wait_idle(engine)
+
+
+def schema_request(i: int, seed: int) -> dict:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPTS[i % 5]}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": f"s{i % 5}", "schema": SCHEMAS[i % 5], "strict": True}},
+        "temperature": 1.0,
+        "seed": seed,
+        "max_tokens": 120,
+    }
+
+
+def run_schema_requests(server, num_requests: int) -> list[str]:
+    """``num_requests`` sampled chat requests, round-robin over the schemas, sent at once;
+    asserts that every answer parses, validates and finished with "stop"."""
+    with server.http(timeout=1800) as http, ThreadPoolExecutor(16) as pool:
+        responses = list(pool.map(lambda i: http.post("/v1/chat/completions", json=schema_request(i, 1000 + i)), range(num_requests)))
+    texts = []
+    for i, r in enumerate(responses):
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text = choice["message"]["content"]
+        jsonschema.validate(json.loads(text), SCHEMAS[i % 5])
+        assert choice["finish_reason"] == "stop", (i, text)
+        texts.append(text)
+    return texts
+
+
+def test_sampled_answers_follow_their_schemas(spec_server):
+    name, server = spec_server
+    texts = run_schema_requests(server, 5)
+    assert len(set(texts)) > 1
+    if name != "off":
+        assert server.engine.policy is not None
+
+
+@pytest.mark.slow
+def test_100_sampled_answers_follow_their_schemas(spec_server):
+    run_schema_requests(spec_server[1], 100)
+
+
+def test_guided_extras_on_completions(spec_server):
+    _, server = spec_server
+    with server.http() as http:
+        body = {"model": MODEL, "prompt": "The answer is", "max_tokens": 20, "temperature": 1.0, "seed": 3}
+        r = http.post("/v1/completions", json={**body, "guided_choice": ["yes", "no", "maybe so"]})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] in ("yes", "no", "maybe so")
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
+        r = http.post("/v1/completions", json={**body, "guided_regex": r"[0-9]{3}-[a-z]{2,4}"})
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", r.json()["choices"][0]["text"]), r.json()
+        r = http.post("/v1/completions", json={**body, "max_tokens": 60, "guided_json": json.dumps(SCHEMAS[0])})
+        jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), SCHEMAS[0])
+
+
+def test_json_object_and_guided_json_on_chat(spec_server):
+    _, server = spec_server
+    with server.http() as http:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "A JSON object about a cat."}], "temperature": 0}
+        r = http.post("/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}, "max_tokens": 40})
+        choice = r.json()["choices"][0]
+        if choice["finish_reason"] == "stop":
+            assert isinstance(json.loads(choice["message"]["content"]), dict)
+        else:  # cut by max_tokens: still the start of an object
+            assert choice["message"]["content"].startswith("{")
+        r = http.post("/v1/chat/completions", json={**body, "guided_json": SCHEMAS[1], "max_tokens": 60})
+        jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), SCHEMAS[1])
+
+
+def test_named_tool_choice_returns_a_parsed_call(spec_server):
+    _, server = spec_server
+    client = server.client()
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER, ADD],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=80,
+        temperature=1.0,
+        seed=5,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_required_tool_choice_streams_the_call_in_the_final_deltas(spec_server):
+    _, server = spec_server
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Add 2 and 3."}],
+        "tools": [WEATHER, ADD],
+        "tool_choice": "required",
+        "max_tokens": 80,
+        "stream": True,
+        "seed": 2,
+    }
+    with server.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert not any("content" in d for d in deltas[1:]), deltas  # the call is never streamed as text
+    (with_calls,) = [d for d in deltas if "tool_calls" in d]
+    (call,) = with_calls["tool_calls"]
+    assert call["index"] == 0 and call["type"] == "function" and call["id"].startswith("call_")
+    fn = {"get_weather": WEATHER, "add": ADD}[call["function"]["name"]]["function"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), fn["parameters"])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_auto_tool_choice_answers_text_or_a_call(spec_server):
+    _, server = spec_server
+    r = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], tools=[WEATHER], max_tokens=20, temperature=0
+    )
+    choice = r.choices[0]
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    else:
+        assert choice.message.content and choice.finish_reason in ("stop", "length")
+
+
+# ---- without the model ----
+
+TOOLS = Tools((WEATHER["function"], ADD["function"]), "auto")
+
+
+@pytest.mark.parametrize(
+    "text,names",
+    [
+        ('{"name": "add", "arguments": {"a": 1, "b": 2}}', ["add"]),
+        ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>', ["get_weather"]),
+        ('[{"name": "add", "arguments": {}}, {"name": "add", "arguments": {"a": 1}}]', ["add", "add"]),
+        ('{"name": "unknown", "arguments": {}}', None),
+        ('{"name": "add", "arguments": "1, 2"}', None),
+        ("The weather is fine.", None),
+        ('{"name": "add", "arguments": {"a": 1}', None),
+    ],
+)
+def test_tool_call_format_is_parsed(text, names):
+    calls = TOOLS.parse(text)
+    assert (None if calls is None else [c.function.name for c in calls]) == names
+    if calls:
+        assert all(isinstance(json.loads(c.function.arguments), dict) for c in calls)
+
+
+BAD_GRAMMARS = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format", "nonsense"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/defs/missing"}}}},
+     "response_format", "defs"),
+    ({"response_format": {"type": "xml"}}, "response_format", "xml"),
+    ({"guided_regex": "a(b"}, "guided_regex", "parenthesis"),
+    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"guided_choice": []}, "guided_choice", "non-empty"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "at most one"),
+    ({"tools": [{"type": "function", "function": {}}]}, "tools", "tools[0]"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+]
+
+
+@pytest.mark.parametrize("fields,param,named", BAD_GRAMMARS, ids=[f"{p}-{i}" for i, (_, p, _) in enumerate(BAD_GRAMMARS)])
+def test_invalid_grammar_is_a_400_that_names_the_problem(server, fields, param, named):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **fields}
+    with server.http() as http:
+        r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and named in error["message"], error
