@@ -20,9 +20,16 @@ import engine.runner
 from engine import SamplingParams
 from engine.grammar import Grammars
 from engine.sampling_params import GuidedDecoding
-from tests.spec.test_distribution import SETTINGS, TARGET, V, build, make_engine, p_value, processed
+from drafters.draft_model import ModelDrafter
+from drafters.ngram import NgramDrafter
+from tests.spec.bigram import BigramLM, bigram_table, perturbed
+from tests.spec.test_distribution import SETTINGS, V, make_engine, p_value, processed
 
 NUM_SAMPLES = 20_000
+with torch.random.fork_rng():  # bigram_table draws from the global generator: pin it
+    torch.manual_seed(0)
+    TARGET = bigram_table(V, seed=1)
+    DRAFT = perturbed(TARGET, seed=2)
 CHARS = "abcdef"  # token i is the string CHARS[i]
 CHOICES = ["abcd", "abde", "acef", "bdfa", "bdca", "beaf", "caeb", "dfab", "dfbc", "ecad", "fbda", "fbec", "fcea"]
 # Some choices, then "a": prompt lookup finds drafts that the grammar allows, and others it cuts.
@@ -57,16 +64,21 @@ def exact_masked_joint(settings) -> np.ndarray:
 
 
 def grammar_engine(method: str, k: int = 3):
-    target, drafter = build(method)
+    target = BigramLM(TARGET)
     target.config.eos_token_id = None  # the bigram's tokens are all letters here
+    if method == "ngram":
+        drafter = NgramDrafter(1, 3)
+    else:
+        drafter = ModelDrafter(BigramLM(DRAFT), 1, 3000, 16, torch.float32, torch.device("cpu"), 0.1)
     engine = make_engine(target, drafter, k=k)
     engine.grammars = Grammars.from_vocab(list(CHARS), stop_ids=[])
     return engine
 
 
-def sample_masked_joint(engine, settings) -> tuple[np.ndarray, int]:
-    """Joint counts of (output[1], output[2]) over NUM_SAMPLES requests, and how many
-    outputs left the grammar (any token outside it ends a request with an error)."""
+def sample_masked_joint(engine, settings) -> tuple[np.ndarray, int, dict]:
+    """Joint counts of (output[1], output[2]) over NUM_SAMPLES requests, how many
+    outputs left the grammar (any token outside it ends a request with an error),
+    and the verified and accepted draft counts."""
     guided = GuidedDecoding("choice", json.dumps(CHOICES))
     params = SamplingParams(max_tokens=3, guided=guided, **settings)
     reqs = [engine.add_request(f"r{i}", PROMPT, params) for i in range(NUM_SAMPLES)]
@@ -87,9 +99,7 @@ def sample_masked_joint(engine, settings) -> tuple[np.ndarray, int]:
         else:
             counts[out[1], out[2]] += 1
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.pool.num_blocks
-    assert totals["drafted"] >= NUM_SAMPLES // 10, totals
-    assert 0.05 < totals["accepted"] / totals["drafted"] < 0.95, totals
-    return counts, outside
+    return counts, outside, totals
 
 
 def exact_p_value(counts: np.ndarray, outside: int, expected: np.ndarray) -> float:
@@ -112,7 +122,11 @@ def test_reference_mask_matches_the_compiled_grammar():
 @pytest.mark.parametrize("settings", SETTINGS, ids=["t1.0", "t0.7-p0.9"])
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_masked_rounds_emit_the_masked_target_distribution(method, settings):
-    counts, outside = sample_masked_joint(grammar_engine(method), settings)
+    counts, outside, totals = sample_masked_joint(grammar_engine(method), settings)
+    # Drafts were verified and accepted (and at temperature 1 some rejected).
+    assert totals["drafted"] >= NUM_SAMPLES // 10 and totals["accepted"] > totals["drafted"] // 20, totals
+    if settings["temperature"] == 1.0:
+        assert totals["accepted"] < totals["drafted"], totals
     assert exact_p_value(counts, outside, exact_masked_joint(settings)) > 1e-3
 
 
@@ -124,13 +138,13 @@ def test_the_test_rejects_a_drafter_whose_q_is_not_masked(monkeypatch):
     """The draft model samples from its unmasked q (and reports it honestly); its drafts
     outside the grammar are cut, which is exact only for a masked q."""
     monkeypatch.setattr(drafters.draft_model, "mask_logits", _unmasked)
-    counts, outside = sample_masked_joint(grammar_engine("draft_model"), SETTINGS[0])
+    counts, outside, _ = sample_masked_joint(grammar_engine("draft_model"), SETTINGS[0])
     assert outside == 0  # the target's mask still keeps every output in the grammar
     assert exact_p_value(counts, outside, exact_masked_joint(SETTINGS[0])) < 1e-3
 
 
 def test_the_test_rejects_a_target_whose_p_is_not_masked(monkeypatch):
     monkeypatch.setattr(engine.runner, "mask_logits", _unmasked)
-    counts, outside = sample_masked_joint(grammar_engine("ngram"), SETTINGS[0])
+    counts, outside, _ = sample_masked_joint(grammar_engine("ngram"), SETTINGS[0])
     assert exact_p_value(counts, outside, exact_masked_joint(SETTINGS[0])) < 1e-3
 
