@@ -23,7 +23,8 @@ from engine.sampling_params import GuidedDecoding
 from drafters.draft_model import ModelDrafter
 from drafters.ngram import NgramDrafter
 from tests.spec.bigram import BigramLM, bigram_table, perturbed
-from tests.spec.test_distribution import SETTINGS, V, make_engine, p_value, processed
+from tests.spec.distribution import V, make_engine, p_value, processed
+from tests.spec.test_distribution import SETTINGS
 
 NUM_SAMPLES = 20_000
 with torch.random.fork_rng():  # bigram_table draws from the global generator: pin it
@@ -51,7 +52,8 @@ def exact_masked_joint(settings) -> np.ndarray:
     table = TARGET.double().numpy()
 
     def step(prev: int, prefix: tuple[int, ...]) -> np.ndarray:
-        return processed(np.where(allowed(prefix), table[prev], 0.0), **settings)
+        with np.errstate(divide="ignore"):  # log 0 = -inf: outside the grammar
+            return processed(np.log(np.where(allowed(prefix), table[prev], 0.0)), settings)
 
     joint = np.zeros((V, V))
     first = step(PROMPT[-1], ())
@@ -124,7 +126,7 @@ def test_reference_mask_matches_the_compiled_grammar():
 def test_masked_rounds_emit_the_masked_target_distribution(method, settings):
     counts, outside, totals = sample_masked_joint(grammar_engine(method), settings)
     # Drafts were verified and accepted (and at temperature 1 some rejected).
-    assert totals["drafted"] >= NUM_SAMPLES // 10 and totals["accepted"] > totals["drafted"] // 20, totals
+    assert totals["drafted"] >= NUM_SAMPLES // 20 and totals["accepted"] > totals["drafted"] // 20, totals
     if settings["temperature"] == 1.0:
         assert totals["accepted"] < totals["drafted"], totals
     assert exact_p_value(counts, outside, exact_masked_joint(settings)) > 1e-3
