@@ -15,10 +15,10 @@ processing included):
   the first turn's, streamed: what a prefix cache saves.
 
 Greedy texts are kept, and each pair of servers is counted for identical
-texts. The peers are the ones ``../shared/peers/setup.sh`` installs into
-``--peers-dir`` (vLLM's CPU build in ``venv-vllm`` with its HF copy of the
-model in ``smollm2-hf``; llama.cpp in ``venv-llama``); a peer that is not
-installed is skipped. vLLM runs in the environment its CPU documentation asks
+texts. The peers are looked for in ``--peers-dir`` (default ``~/peers``):
+vLLM's CPU build in ``venv-vllm`` with a float32 HF copy of the model in
+``smollm2-hf``, llama.cpp in ``venv-llama`` with the wheel's Q4_1 GGUF; a peer
+that is not installed is skipped. vLLM runs in the environment its CPU documentation asks
 for (threads bound to the cores, tcmalloc and Intel OpenMP preloaded, a 4 GiB
 KV cache). Writes bench/results/peers.md, peers.json and peers.png.
 """
