@@ -11,8 +11,9 @@ it by hand (``LD_PRELOAD``); here the command line does it: ``ensure()`` re-runs
 the current command once with the library preloaded, before anything has
 imported torch.
 
-Measured on the issue's 2-core machine through the HTTP API: 11.9-13.2 tok/s
-with GNU OpenMP, 16.4-19.1 with Intel's (see README, "CPU performance").
+Measured through the HTTP API on a 2-core machine (issue 11): 11.9-13.2 tok/s
+with GNU OpenMP, 16.4-19.1 with Intel's; offline, in one A/B under ``chrt``,
+16.6 against 20.2 (README, Benchmarks, has today's figures beside vLLM's).
 
 ``SPECSERVE_OPENMP=gnu`` keeps GNU OpenMP (the re-run is skipped); it is also
 skipped where the library is missing (the wheel exists for x86-64 Linux only)
