@@ -12,7 +12,7 @@ the current command once with the library preloaded, before anything has
 imported torch.
 
 Measured through the HTTP API on a 2-core machine (issue 11): 11.9-13.2 tok/s
-with GNU OpenMP, 16.4-19.1 with Intel's; offline, in one A/B under ``chrt``,
+with GNU OpenMP, 16.4-19.1 with Intel's; offline, in two back-to-back runs under ``chrt``,
 16.6 against 20.2 (README, Benchmarks, has today's figures beside vLLM's).
 
 ``SPECSERVE_OPENMP=gnu`` keeps GNU OpenMP (the re-run is skipped); it is also
