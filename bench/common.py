@@ -81,6 +81,25 @@ def render_chat(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(rendered, add_special_tokens=False)
 
 
+def run_at_once(fn, items: list) -> tuple[list, float]:
+    """``fn(item)`` for every item, each on its own thread, all started together;
+    returns the results in order and the wall seconds until the last one ended."""
+    import threading
+
+    results: list = [None] * len(items)
+
+    def one(i: int) -> None:
+        results[i] = fn(items[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(items))]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return results, time.perf_counter() - t
+
+
 def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 

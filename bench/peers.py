@@ -30,13 +30,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from bench.common import RESULTS, markdown_table, round_robin_chat, spec_bench, write_report
+from bench.common import RESULTS, markdown_table, round_robin_chat, run_at_once, spec_bench, write_report
 from bench.server_procs import free_port, stop
 
 MAX_TOKENS = 128
@@ -144,18 +143,7 @@ def measure(url: str, chat_ps: list[str], copy_ps: list[str], conc_ps: list[str]
         runs = [chat(url, [{"role": "user", "content": p}], MAX_TOKENS) for p in ps]
         b1[group] = runs
         print(f"  b1 {group}: " + " ".join(f"{r['tokens'] / r['wall_s']:.1f}" for r in runs), flush=True)
-    results: list[dict | None] = [None] * len(conc_ps)
-
-    def worker(i: int) -> None:
-        results[i] = chat(url, [{"role": "user", "content": conc_ps[i]}], MAX_TOKENS)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(conc_ps))]
-    t = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    conc_wall = time.perf_counter() - t
+    results, conc_wall = run_at_once(lambda p: chat(url, [{"role": "user", "content": p}], MAX_TOKENS), conc_ps)
     conc_tokens = sum(r["tokens"] for r in results if r)
     print(f"  c{len(conc_ps)}: {conc_tokens / conc_wall:.1f} tok/s", flush=True)
     history = [{"role": "user", "content": conversation_prompt()}]

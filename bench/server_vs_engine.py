@@ -20,11 +20,10 @@ if __name__ == "__main__":  # the same OpenMP runtime as the server subprocess, 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from bench.common import chat_prompts, markdown_table, render_chat, write_report  # noqa: E402
+from bench.common import chat_prompts, markdown_table, render_chat, run_at_once, write_report  # noqa: E402
 from bench.server_procs import serve, stream_chat  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
@@ -42,18 +41,8 @@ def offline(llm: LLM, prompts: list[str]) -> float:
 
 def served(url: str, prompts: list[str]) -> float:
     """Total tokens/s of the prompts sent at once, streamed."""
-    results: list[dict] = [{}] * len(prompts)
-
-    def one(i: int) -> None:
-        results[i] = stream_chat(url, prompts[i], MAX_TOKENS, ignore_eos=True)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    t = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return sum(r["usage"]["completion_tokens"] for r in results) / (time.perf_counter() - t)
+    results, wall = run_at_once(lambda p: stream_chat(url, p, MAX_TOKENS, ignore_eos=True), prompts)
+    return sum(r["usage"]["completion_tokens"] for r in results) / wall
 
 
 def main() -> None:
