@@ -1,12 +1,14 @@
 """The CPU matmul kernels of a pass, by number of tokens: why weights are prepacked
-with a batch-size hint of 16 and 1-3 rows are padded to 4 (engine/layers/linear.py).
+for oneDNN with a batch-size hint of 16, and why a few rows go through our own
+AVX2 kernel instead (engine/layers/linear.py, engine/layers/cpu_kernels.py).
 
     .venv/bin/python -m bench.kernels [--repeats 7]
 
 Runs the linear layers of the default model's 30 decoder layers (SmolLM2-135M
 shapes, random fp32 weights: speed does not depend on their values) over 1 to
-32 rows with oneDNN weights prepacked with hint 1 and with hint 16, and with
-``F.linear`` on the plain weights; interleaved, the minimum of the repeats.
+32 rows with oneDNN weights prepacked with hint 1 and with hint 16, with
+``F.linear`` on the plain weights, and with ``cpu_kernels.gemv`` (where it
+builds); interleaved, the minimum of the repeats.
 Writes bench/results/kernels.md and kernels.png.
 """
 
@@ -17,14 +19,16 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import RESULTS, markdown_table, write_report
+from engine.layers import cpu_kernels
 
 LAYERS = 30
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out): qkv, o, gate_up, down
 ROWS = [1, 2, 3, 4, 6, 8, 11, 16, 17, 24, 32]
 
 
-def layer_stack(hint: int | None):
-    """Per layer, the four matmuls as functions of x [rows, in]."""
+def layer_stack(hint: int | str | None):
+    """Per layer, the four matmuls as functions of x [rows, in]: oneDNN prepacked with
+    ``hint``, ``F.linear`` (None) or the AVX2 kernel ("gemv")."""
     stack = []
     for _ in range(LAYERS):
         fns = []
@@ -32,6 +36,8 @@ def layer_stack(hint: int | None):
             w = torch.randn(d_out, d_in)
             if hint is None:
                 fns.append(lambda x, w=w: F.linear(x, w))
+            elif hint == "gemv":
+                fns.append(lambda x, w=w: cpu_kernels.gemv(x, w))
             else:
                 p = torch.ops.mkldnn._reorder_linear_weight(w, hint)
                 fns.append(lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
@@ -54,6 +60,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     kernels = {"oneDNN, hint 1": layer_stack(1), "oneDNN, hint 16": layer_stack(16), "F.linear": layer_stack(None)}
+    if cpu_kernels.load() is not None:
+        kernels["AVX2 gemv"] = layer_stack("gemv")
     best = {(k, r): float("inf") for k in kernels for r in ROWS}
     for _ in range(args.repeats):
         for r in ROWS:

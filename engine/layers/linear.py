@@ -16,6 +16,11 @@ bench.kernels`). Whether 1-3 rows run faster padded to 4 depends on the CPU:
 the previous bench machine ran 4 rows in 14.6 ms and 1 row in 17.6 ms over
 SmolLM2's 30 layers, this one 1 row in 30 ms and 4 rows in 37 ms. So
 ``calibrate_min_rows`` times the model's own matmuls at start-up and picks.
+
+Inputs of a few rows (decode and verification steps) may instead go through
+``cpu_kernels.gemv``, an AVX2 kernel that streams the weights faster than oneDNN at
+1-8 rows on the bench machine; ``calibrate_gemv`` times both at start-up and
+sets up to how many rows it is used.
 """
 
 import time
@@ -24,11 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers import cpu_kernels
 from engine.parallel import SINGLE, TPGroup
 
 
 PACK_BATCH_HINT = 16
 PAD_CANDIDATES = (1, 2, 4)  # inputs with fewer rows than the chosen one are padded up to it
+GEMV_CANDIDATES = (1, 2, 4, 8)  # row counts at which cpu_kernels.gemv is timed against oneDNN
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -46,6 +53,7 @@ class PackedLinear(nn.Module):
     weight: nn.Parameter
     packed: torch.Tensor | None = None
     min_rows: int = 1  # pad inputs of fewer rows to this many (set by calibrate_min_rows)
+    gemv_max_rows: int = 0  # inputs of at most this many rows use cpu_kernels.gemv (set by calibrate_gemv)
 
     def prepack(self) -> None:
         """Reorder the weight once for oneDNN (CPU, float32); call after the weights are loaded."""
@@ -54,8 +62,10 @@ class PackedLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
+        rows = x.shape[0]
+        if rows <= self.gemv_max_rows:
+            return cpu_kernels.gemv(x, self.weight)
         if self.packed is not None:
-            rows = x.shape[0]
             if rows < self.min_rows:
                 x = torch.cat([x, x.new_zeros(self.min_rows - rows, x.shape[1])])
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
@@ -82,6 +92,35 @@ def calibrate_min_rows(layers: list[PackedLinear], repeats: int = 5) -> int:
     chosen = min(PAD_CANDIDATES, key=best.get)
     for m in layers:
         m.min_rows = chosen
+    return chosen
+
+
+@torch.inference_mode()
+def calibrate_gemv(layers: list[PackedLinear], repeats: int = 5) -> int:
+    """Times ``cpu_kernels.gemv`` against oneDNN (padded to each layer's ``min_rows``) over every
+    packed layer at each of ``GEMV_CANDIDATES`` rows, interleaved, best of ``repeats``;
+    sets every layer's ``gemv_max_rows`` to the largest candidate up to which the kernel
+    wins at every candidate. Returns it (0: oneDNN everywhere, or no kernel)."""
+    layers = [m for m in layers if m.packed is not None]
+    if not layers or cpu_kernels.load() is None:
+        return 0
+    chosen = 0
+    for rows in GEMV_CANDIDATES:
+        inputs = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1]) for m in layers}
+        best = {"gemv": float("inf"), "onednn": float("inf")}
+        for _ in range(repeats):
+            for kernel in best:
+                for m in layers:
+                    m.gemv_max_rows = rows if kernel == "gemv" else 0
+                t = time.perf_counter()
+                for m in layers:
+                    m.matmul(inputs[m.weight.shape[1]])
+                best[kernel] = min(best[kernel], time.perf_counter() - t)
+        if best["gemv"] >= best["onednn"]:
+            break
+        chosen = rows
+    for m in layers:
+        m.gemv_max_rows = chosen
     return chosen
 
 

@@ -2,9 +2,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers import cpu_kernels
+
 
 class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)``, computed in float32 (one fused op)."""
+    """``weight * x / sqrt(mean(x^2) + eps)``, computed in float32: one C kernel on an
+    AVX2 CPU outside autograd (``cpu_kernels.rms_norm``), else torch's fused op."""
 
     def __init__(self, hidden: int, eps: float):
         super().__init__()
@@ -16,6 +19,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
+            if x.device.type == "cpu" and x.dim() == 2 and not torch.is_grad_enabled() and cpu_kernels.load():
+                return cpu_kernels.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         y = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
         return self.weight * y.to(x.dtype)

@@ -18,6 +18,7 @@ from engine.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    calibrate_gemv,
     calibrate_min_rows,
 )
 from engine.layers.norm import RMSNorm
@@ -100,6 +101,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.min_rows = 1  # CPU matmul inputs of fewer rows are padded (set by prepack)
+        self.gemv_max_rows = 0  # ... and inputs of at most this many rows use cpu_kernels.gemv (set by prepack)
         max_positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
@@ -121,11 +123,13 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack(self) -> None:
         """Weights are final: let the linear layers reorder them for the CPU kernels,
-        and time whether short inputs run faster padded (``calibrate_min_rows``)."""
+        and time whether short inputs run faster padded (``calibrate_min_rows``) or
+        through the AVX2 kernel (``calibrate_gemv``)."""
         linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
         for module in linears:
             module.prepack()
         self.min_rows = calibrate_min_rows(linears)
+        self.gemv_max_rows = calibrate_gemv(linears)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, vocab] in float32."""

@@ -1,0 +1,92 @@
+"""The AVX2 matmul kernel for few-row inputs: same numbers as ``x @ w.T``, and start-up
+calibration uses it only up to one of the timed row counts."""
+
+import pytest
+import torch
+
+from engine.layers import cpu_kernels
+from engine.layers.linear import GEMV_CANDIDATES, ColumnParallelLinear, calibrate_gemv, can_prepack
+
+needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2/FMA CPU or no C compiler")
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "m, n, k",
+    [(1, 96, 64), (2, 7, 33), (3, 576, 576), (4, 5, 1536), (5, 130, 100), (8, 64, 31), (9, 3, 40)],
+)
+def test_gemv_matches_matmul(m, n, k):
+    """Odd row and feature counts, K not a multiple of the vector width, more rows than one block."""
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    torch.testing.assert_close(cpu_kernels.gemv(x, w), x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_gemv_reads_a_non_contiguous_input():
+    x = torch.randn(16, 64)[::4]  # rows of a larger tensor
+    w = torch.randn(10, 64)
+    torch.testing.assert_close(cpu_kernels.gemv(x, w), x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+def _packed_layer(seed: int) -> ColumnParallelLinear:
+    g = torch.Generator().manual_seed(seed)
+    layer = ColumnParallelLinear(64, [96])
+    layer.load(0, torch.randn(96, 64, generator=g))
+    layer.prepack()
+    return layer
+
+
+@needs_kernel
+@pytest.mark.skipif(not can_prepack(torch.empty(1)), reason="oneDNN prepacking needs the CPU float32 path")
+def test_calibration_picks_a_candidate_and_the_layer_routes_by_rows():
+    layers = [_packed_layer(s) for s in range(3)]
+    chosen = calibrate_gemv(layers, repeats=2)
+    assert chosen in (0, *GEMV_CANDIDATES)
+    assert {m.gemv_max_rows for m in layers} == {chosen}
+    layer = layers[0]
+    layer.gemv_max_rows = 4
+    for rows in (1, 4, 5, 16):  # 1 and 4 through the kernel, 5 and 16 through oneDNN
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x), x @ layer.weight.T, rtol=1e-4, atol=1e-4)
+
+
+def test_calibration_without_packed_layers_uses_no_kernel():
+    layer = ColumnParallelLinear(8, [8])  # never prepacked
+    assert calibrate_gemv([layer]) == 0
+    assert layer.gemv_max_rows == 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows, hidden", [(1, 576), (3, 64), (70, 100), (2, 13)])
+def test_rms_norm_matches_torch(rows, hidden):
+    """Few rows and many (threaded), hidden sizes off the vector width."""
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, hidden, generator=g) * 3, torch.randn(hidden, generator=g)
+    expected = torch.nn.functional.rms_norm(x, (hidden,), w, 1e-5)
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, w, 1e-5), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_rms_norm_module_uses_the_kernel_only_outside_autograd():
+    from engine.layers.norm import RMSNorm
+
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data.normal_()
+    norm.weight.requires_grad_(True)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x), torch.nn.functional.rms_norm(x, (64,), norm.weight, 1e-6))
+    norm(x).sum().backward()  # with autograd on: torch's op, so the weight gets a gradient
+    assert norm.weight.grad is not None
+
+
+@needs_kernel
+def test_gemv_row_results_do_not_depend_on_the_batch():
+    """A row's bits are the same alone and at any position among other rows (batch
+    invariance, and drafts verified beside their own last token)."""
+    g = torch.Generator().manual_seed(7)
+    w, x = torch.randn(50, 200, generator=g), torch.randn(7, 200, generator=g)
+    alone = torch.cat([cpu_kernels.gemv(x[i : i + 1], w) for i in range(7)])
+    for m in range(1, 8):
+        assert torch.equal(cpu_kernels.gemv(x[:m], w), alone[:m])
