@@ -11,10 +11,7 @@ import time
 
 import torch
 
-from drafters.base import Draft, DraftSlot, build_drafter
-
 from engine.config import EngineConfig
-from engine.cost_tracker import CostTracker
 from engine.faults import FaultHook
 from engine.loader import load_config, load_model, load_tokenizer
 from engine.model_store import resolve_model
@@ -23,9 +20,12 @@ from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampling_params import InvalidParameter, SamplingParams
-from engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput, no_drafts
-from engine.spec_policy import SpecPolicy, StepCosts
-from engine.stats import StepTimes, make_step_stats, measure_step_costs
+from engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from engine.spec_decode.cost_tracker import CostTracker, measure_step_costs
+from engine.spec_decode.drafter import Draft, DraftSlot
+from engine.spec_decode.policy import Candidate, SpecPolicy, StepCosts, StepPlan
+from engine.spec_decode.registry import build_drafter
+from engine.stats import StepTimes, make_step_stats
 from engine.stop import holdback
 from kvcache import KVCacheManager, blocks_needed
 from kvcache.tensors import KVSpec, PagedKV
@@ -67,8 +67,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.paged_kv, spec.block_size, device, config.model.seed)
         self.cost_tracker: CostTracker | None = None  # set by _speculation when costs are timed
         self.drafter, self.policy = self._speculation(config, num_blocks, spec, device, dtype, drafter)
-        slots = self.policy.num_draft_slots if self.policy else no_drafts
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, slots)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.eos_token_ids = _eos_ids(hf_config, tokenizer)
         self.stat_loggers: list = []  # callables taking each step's StepStats
         self.fault_hook: FaultHook | None = None
@@ -163,14 +162,13 @@ class LLMEngine:
         log.info("speculation: %s, k=%d, draft cost %.3f per token; pass cost by tokens %s",
                  sc.method, k, drafter.cost_per_token,
                  " ".join(f"{r}:{c:.2f}" for r, c in zip(costs.rows, costs.costs)))
-        return drafter, SpecPolicy(sc, drafter.cost_per_token, costs, self._context_class)
+        return drafter, SpecPolicy(sc, drafter.cost_per_token, costs)
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self.step_fallbacks = 0
-        if self.policy is not None:
-            self.policy.begin_step(len(self.scheduler.running))
-        scheduled = self.scheduler.schedule()
+        plan = self._plan()
+        scheduled = self.scheduler.schedule(plan.num_draft_slots)
         if scheduled.is_empty:
             return []
         drafts = self._propose(scheduled)
@@ -178,12 +176,26 @@ class LLMEngine:
         result, failed = self._execute(scheduled, drafts)
         t2 = time.perf_counter()
         touched = failed + self.scheduler.update(scheduled, result)
-        self._after_step(scheduled, result, touched, StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t0))
+        self._after_step(scheduled, plan, result, touched, StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t0))
         return [self._delta(r) for r in touched]
 
     def set_fault_hook(self, hook: FaultHook | None) -> None:
         """Tests: ``hook(stage, request_ids)`` may raise to simulate a failure (see engine.faults)."""
         self.fault_hook = self.runner.fault_hook = hook
+
+    def _plan(self) -> StepPlan:
+        """The speculation policy's plan for this step, from the records of the steps before
+        it and the drafter's context classes of the decoding requests (asked here, before
+        scheduling). Changes no policy state."""
+        if self.policy is None:
+            return StepPlan({})
+        running = self.scheduler.running
+        candidates = [
+            Candidate(r.request_id, self._context_class(r), isolated=r.params.seed is not None)
+            for r in running
+            if r.params.speculate and r.num_computed_tokens + 1 == r.num_tokens
+        ]
+        return self.policy.plan(candidates, len(running))
 
     def _propose(self, scheduled: SchedulerOutput) -> dict:
         """Drafts for the scheduled slots; a failing drafter means no drafts this step."""
@@ -206,7 +218,7 @@ class LLMEngine:
             return {}
 
     def _context_class(self, request: Request) -> int | None:
-        """The drafter's class of the request's context (scheduling asks it); a failure
+        """The drafter's class of the request's context (the plan asks it); a failure
         means no drafts for this request this step, as in ``_propose``."""
         try:
             if self.fault_hook:
@@ -236,12 +248,13 @@ class LLMEngine:
                 failed.append(s.request)
         return merged, failed
 
-    def _after_step(self, scheduled: SchedulerOutput, result: RunnerOutput, touched: list[Request], times) -> None:
-        """Tell the drafter what was kept, feed the policy, report stats."""
+    def _after_step(self, scheduled: SchedulerOutput, plan: StepPlan, result: RunnerOutput, touched, times) -> None:
+        """Tell the drafter what was kept, record the plan of the requests that ran, report stats."""
         if self.policy is not None:
             for s in scheduled.scheduled:
                 rid = s.request_id
-                self.policy.record(s.request, result.num_drafted.get(rid, 0), result.num_accepted.get(rid, 0))
+                if rid in plan.decisions:
+                    self.policy.record(rid, plan.decisions[rid], result.num_drafted.get(rid, 0), result.num_accepted.get(rid, 0))
                 if not s.request.is_finished:
                     self.drafter.commit(s.request)
             self.policy.end_step()

@@ -17,7 +17,7 @@ being the target's distribution after the first ``i`` drafts::
 import numpy as np
 import torch
 
-from drafters.base import Draft
+from engine.spec_decode.drafter import Draft
 from engine.attention import SeqSpec, build_attention_metadata
 from engine.outputs import TokenLogprob
 from engine.rejection_sampler import PLACEHOLDER, greedy_verify, rejection_sample

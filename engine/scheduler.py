@@ -21,7 +21,7 @@ each step the full blocks of its verified tokens are registered for others.
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
@@ -78,20 +78,9 @@ class RunnerOutput:
             mine.update(theirs)
 
 
-def no_drafts(request: Request) -> int:
-    return 0
-
-
 class Scheduler:
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        kv: KVCacheManager,
-        max_model_len: int,
-        num_draft_slots: Callable[[Request], int] = no_drafts,
-    ):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
         self.config = config
-        self.num_draft_slots = num_draft_slots  # the speculation policy: counts only
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -123,7 +112,10 @@ class Scheduler:
         self.kv.free(request.request_id)
         self._finished_ids.append(request.request_id)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, num_draft_slots: Mapping[str, int] | None = None) -> SchedulerOutput:
+        """This step's work. ``num_draft_slots``: the speculation policy's plan, request
+        id -> draft slots wanted after its decode token (cut to the budget and limits)."""
+        num_draft_slots = num_draft_slots or {}
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
@@ -131,7 +123,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            k = self._draft_slots(req, n, budget)
+            k = self._draft_slots(req, n, budget, num_draft_slots.get(req.request_id, 0))
             if not self._reserve(req, n + k, preempted):
                 break
             scheduled.append(self._scheduled(req, n, k))
@@ -171,16 +163,16 @@ class Scheduler:
         self.running.append(req)
         return n
 
-    def _draft_slots(self, req: Request, n: int, budget: int) -> int:
+    def _draft_slots(self, req: Request, n: int, budget: int, wanted: int) -> int:
         """Draft slots after a decode token, within the budget and the request's limits."""
-        if n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+        if not wanted or n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
             return 0  # prefill or a partial chunk: nothing to draft after
         room = min(
             budget - 1,
             req.params.max_tokens - req.num_output_tokens - 1,
             self.max_model_len - req.num_tokens - 1,
         )
-        return max(0, min(self.num_draft_slots(req), room))
+        return max(0, min(wanted, room))
 
     def _reserve(self, req: Request, n: int, preempted: list[str]) -> bool:
         """Blocks for ``n`` more tokens of ``req``, preempting the newest running

@@ -64,7 +64,7 @@ def spec_step(sched, rng: random.Random):
     """schedule -> fake drafts and verification (a random number accepted) -> update.
     Before the 'forward', checks that every slot written this step (the computed
     tokens and the draft slots) lies in a private, uncached block."""
-    out = sched.schedule()
+    out = sched.schedule({r.request_id: 3 for r in sched.running})  # the plan: 3 drafts for every decode
     pool, bs = sched.kv.pool, sched.kv.block_size
     for s in out.scheduled:
         for pos in range(s.context_len, s.context_len + len(s.token_ids) + s.num_draft_slots):
@@ -98,7 +98,7 @@ def test_speculation_never_writes_into_or_rolls_back_a_shared_block(seed):
     block) only frees draft blocks."""
     rng = random.Random(seed)
     sched = create_scheduler(
-        num_blocks=64, block_size=4, max_model_len=128, enable_prefix_caching=True, num_draft_slots=lambda r: 3
+        num_blocks=64, block_size=4, max_model_len=128, enable_prefix_caching=True
     )
     common = [rng.randrange(50) for _ in range(13)]
     hits = rollbacks = 0

@@ -16,11 +16,11 @@ EOS = 99
 
 def create_scheduler(
     num_blocks=16, block_size=2, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
-    enable_prefix_caching=False, num_draft_slots=None,
+    enable_prefix_caching=False,
 ):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    return Scheduler(config, kv, max_model_len, *([num_draft_slots] if num_draft_slots else []))
+    return Scheduler(config, kv, max_model_len)
 
 
 def create_request(rid: str, prompt_len: int, max_tokens: int = 8, **kw) -> Request:
