@@ -3,6 +3,13 @@ runner, and advances every request by one step at a time.
 
 Not thread-safe: one thread calls ``add_request``, ``abort_request`` and
 ``step`` (``AsyncEngine`` runs it on its own thread).
+
+A request's life: ``add_request`` validates it (the one place a request is
+validated) and queues it; steps run it; it ends finished (stop, length),
+aborted or failed. Every end goes through ``Scheduler.finish`` (which frees its
+KV blocks and records its id), and then through ``_release``, the one path that
+drops what the rest of the engine holds for it: the runner's state, the
+drafter's, the policy's record.
 """
 
 import logging
@@ -25,7 +32,7 @@ from engine.spec_decode.cost_tracker import CostTracker, measure_step_costs
 from engine.spec_decode.drafter import Draft, DraftSlot
 from engine.spec_decode.policy import Candidate, SpecPolicy, StepCosts, StepPlan
 from engine.spec_decode.registry import build_drafter
-from engine.stats import StepTimes, make_step_stats
+from engine.stats import EngineSnapshot, StepTimes, make_step_stats
 from engine.stop import holdback
 from kvcache import KVCacheManager, blocks_needed
 from kvcache.tensors import KVSpec, PagedKV
@@ -134,15 +141,39 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.finish(req, "abort")
-        return self._delta(req)
+        out = self._delta(req)
+        self._release()
+        return out
 
-    def fail_requests(self, requests: list[Request], error: str) -> list[RequestOutput]:
-        for req in requests:
+    def fail_running(self, error: str) -> list[RequestOutput]:
+        """End every running request with ``error`` (after a step that raised)."""
+        running = list(self.scheduler.running)
+        for req in running:
             self.scheduler.finish(req, "error", error)
-        return [self._delta(r) for r in requests]
+        outs = [self._delta(r) for r in running]
+        self._release()
+        return outs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.scheduler.requests
+
+    def snapshot(self) -> EngineSnapshot:
+        sched = self.scheduler
+        return EngineSnapshot(len(sched.running), len(sched.waiting), self.kv_manager.usage(), sched.num_preemptions)
+
+    def _release(self) -> None:
+        """The one release path: for every request that ended since the last call (finished,
+        aborted or failed; its KV blocks freed by ``Scheduler.finish``), drop the runner's,
+        the drafter's and the policy's state. A preempted request keeps them (it resumes)."""
+        for rid in self.scheduler.take_finished_ids():
+            self.runner.free(rid)
+            if self.drafter is not None:
+                self.drafter.free(rid)
+            if self.policy is not None:
+                self.policy.free(rid)
 
     def _speculation(self, config: EngineConfig, num_blocks: int, spec: KVSpec, device, dtype, drafter=None):
         sc = config.speculative
@@ -177,7 +208,9 @@ class LLMEngine:
         t2 = time.perf_counter()
         touched = failed + self.scheduler.update(scheduled, result)
         self._after_step(scheduled, plan, result, touched, StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t0))
-        return [self._delta(r) for r in touched]
+        outputs = [self._delta(r) for r in touched]
+        self._release()
+        return outputs
 
     def set_fault_hook(self, hook: FaultHook | None) -> None:
         """Tests: ``hook(stage, request_ids)`` may raise to simulate a failure (see engine.faults)."""
@@ -201,8 +234,6 @@ class LLMEngine:
         """Drafts for the scheduled slots; a failing drafter means no drafts this step."""
         if self.drafter is None:
             return {}
-        for rid in scheduled.finished_ids:
-            self.drafter.free(rid)
         slots = [DraftSlot(s.request, s.num_draft_slots, s.block_table) for s in scheduled.scheduled if s.num_draft_slots]
         if not slots:
             return {}
@@ -238,8 +269,8 @@ class LLMEngine:
         except Exception:  # noqa: BLE001 - isolated below
             log.exception("step of %d requests failed; retrying them one by one", len(scheduled.scheduled))
         merged, failed = RunnerOutput({}), []
-        for i, s in enumerate(scheduled.scheduled):
-            alone = SchedulerOutput((s,), finished_ids=scheduled.finished_ids if i == 0 else ())
+        for s in scheduled.scheduled:
+            alone = SchedulerOutput((s,))
             try:
                 merged.merge(self.runner.execute(alone, drafts))
             except Exception as e:  # noqa: BLE001 - this request alone fails
@@ -289,16 +320,8 @@ class LLMEngine:
             logprobs=logprobs,
             prompt_logprobs=req.prompt_logprobs if first else None,
             error=req.error,
-            spec=self._finish_spec(req) if req.is_finished else {},
+            spec=self.spec_summary(req.request_id) if req.is_finished else {},
         )
-
-    def _finish_spec(self, req: Request) -> dict:
-        if self.policy is None:
-            return {}
-        summary = self.spec_summary(req.request_id)
-        self.policy.free(req.request_id)
-        self.drafter.free(req.request_id)
-        return summary
 
 
 def _cut_to_grammar(drafts: dict, slots: list[DraftSlot]) -> dict:

@@ -47,10 +47,12 @@ class ModelRunner:
         self.fault_hook = None  # tests: called as hook(stage, request_ids); see engine.faults
         torch.manual_seed(seed)
 
+    def free(self, request_id: str) -> None:
+        """The request ended: drop its state (the engine's release path calls this)."""
+        self.generators.pop(request_id, None)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, drafts: dict[str, Draft] | None = None) -> RunnerOutput:
-        for rid in out.finished_ids:
-            self.generators.pop(rid, None)
         drafts = drafts or {}
         sched = out.scheduled
         chains = [s.token_ids + tuple(drafts[s.request_id].token_ids if s.request_id in drafts else ()) for s in sched]

@@ -48,7 +48,6 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: tuple[ScheduledRequest, ...]
     preempted_ids: tuple[str, ...] = ()
-    finished_ids: tuple[str, ...] = ()  # ended since the last step: the runner drops their state
     # Prefix cache, for metrics: tokens of the requests admitted this step, and how many were cached.
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
@@ -112,6 +111,12 @@ class Scheduler:
         self.kv.free(request.request_id)
         self._finished_ids.append(request.request_id)
 
+    def take_finished_ids(self) -> list[str]:
+        """The requests ended (finished, aborted, failed) since the last call: the engine's
+        release path frees what the rest of the engine holds for them."""
+        ids, self._finished_ids = self._finished_ids, []
+        return ids
+
     def schedule(self, num_draft_slots: Mapping[str, int] | None = None) -> SchedulerOutput:
         """This step's work. ``num_draft_slots``: the speculation policy's plan, request
         id -> draft slots wanted after its decode token (cut to the budget and limits)."""
@@ -139,8 +144,7 @@ class Scheduler:
                 queries, hits = queries + req.num_tokens, hits + req.num_computed_tokens
             scheduled.append(self._scheduled(req, n))
             budget -= n
-        finished, self._finished_ids = tuple(self._finished_ids), []
-        return SchedulerOutput(tuple(scheduled), tuple(preempted), finished, queries, hits)
+        return SchedulerOutput(tuple(scheduled), tuple(preempted), queries, hits)
 
     def _admit(self, req: Request, budget: int) -> int | None:
         """Move the first waiting request (new or preempted: nothing computed, no

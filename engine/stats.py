@@ -1,6 +1,17 @@
 """Per-step statistics handed to stat loggers (the Prometheus adapter is one)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state at one instant, pushed by the engine thread after each step
+    (``AsyncEngine.snapshot``) and read by ``/metrics``."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1 of the block pool in use
+    num_preemptions: int  # since start
 
 
 @dataclass(frozen=True)
@@ -24,19 +35,12 @@ class SpecStepStats:
 @dataclass(frozen=True)
 class StepStats:
     times: StepTimes
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_preemptions_total: int
     num_scheduled_tokens: int  # committed tokens computed (prompt chunks + last tokens), drafts not counted
     num_scheduled_requests: int
-    num_generated_tokens: int
     num_prefix_cache_queries: int = 0  # tokens of the requests admitted this step (prefix caching on)
     num_prefix_cache_hits: int = 0  # of those, tokens found in the prefix cache
-    finished: tuple = ()  # (request_id, finish_reason) ended this step
     first_token_times: tuple[tuple[float, float], ...] = ()  # (queue s, prefill s) of first tokens this step
     spec: SpecStepStats | None = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def is_decode_only(self) -> bool:
@@ -61,19 +65,12 @@ def make_step_stats(engine, scheduled, result, touched, times: StepTimes) -> Ste
             num_paused=sum(engine.policy.is_paused(r) for r in engine.scheduler.requests),
             num_fallbacks=engine.step_fallbacks,
         )
-    sched = engine.scheduler
     return StepStats(
         times=times,
-        num_running=len(sched.running),
-        num_waiting=len(sched.waiting),
-        kv_usage=engine.kv_manager.usage(),
-        num_preemptions_total=sched.num_preemptions,
         num_scheduled_tokens=scheduled.num_tokens,
         num_scheduled_requests=len(scheduled.scheduled),
-        num_generated_tokens=sum(len(v) for v in result.sampled.values()),
         num_prefix_cache_queries=scheduled.num_prefix_cache_queries,
         num_prefix_cache_hits=scheduled.num_prefix_cache_hits,
-        finished=tuple((r.request_id, r.finish_reason) for r in touched if r.is_finished),
         first_token_times=tuple(
             (r.first_scheduled_time - r.arrival_time, r.first_token_time - r.first_scheduled_time)
             for r in touched

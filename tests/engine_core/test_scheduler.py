@@ -121,8 +121,9 @@ def test_eos_stop_token_and_max_model_len_finish_and_free():
     assert by_eos.finish_reason == "stop" and by_eos.output_token_ids == [EOS]
     assert by_id.finish_reason == "stop" and by_id.output_token_ids == [7]
     assert not by_len.is_finished and not ignore.is_finished  # EOS ignored
+    assert set(sched.take_finished_ids()) == {"eos", "id"}  # handed to the release path once
+    assert sched.take_finished_ids() == []
     out = sched.schedule()
-    assert set(out.finished_ids) == {"eos", "id"}  # told to the runner once
     assert set(counts(out)) == {"len", "ignore"}
     sched.update(out, RunnerOutput({"len": [1], "ignore": [1]}))
     assert by_len.finish_reason == "length" and by_len.num_tokens == 8  # max_model_len
@@ -142,7 +143,7 @@ def test_abort_of_running_and_waiting_requests_frees_blocks():
     assert running.output_token_ids == [] and running.finish_reason == "abort"
     sched.finish(waiting, "abort")
     sched.finish(waiting, "abort")  # twice: a no-op
-    assert sched.schedule().finished_ids == ("run", "wait")
+    assert sched.take_finished_ids() == ["run", "wait"]
     assert_all_free(sched)
 
 
