@@ -74,6 +74,10 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def model_path(self) -> str:
+        return self.engine.model_path
+
     def tokenize(self, text: str) -> list[int]:
         return self.engine.tokenize(text)
 
