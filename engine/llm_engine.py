@@ -26,6 +26,7 @@ from engine.models.llama import head_dim_of
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.runner import ModelRunner
+from engine.sampler import grammar_bitmask
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from engine.spec_decode.cost_tracker import CostTracker, measure_step_costs
@@ -204,7 +205,7 @@ class LLMEngine:
             return []
         drafts = self._propose(scheduled)
         t1 = time.perf_counter()
-        result, failed = self._execute(scheduled, drafts)
+        result, failed = self._execute(scheduled, drafts, self._grammar_masks(scheduled, drafts))
         t2 = time.perf_counter()
         touched = failed + self.scheduler.update(scheduled, result)
         self._after_step(scheduled, plan, result, touched, StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t0))
@@ -234,7 +235,12 @@ class LLMEngine:
         """Drafts for the scheduled slots; a failing drafter means no drafts this step."""
         if self.drafter is None:
             return {}
-        slots = [DraftSlot(s.request, s.num_draft_slots, s.block_table) for s in scheduled.scheduled if s.num_draft_slots]
+        requests, tables = self.scheduler.requests, self.kv_manager.block_table
+        slots = [
+            DraftSlot(requests[s.request_id], s.num_draft_slots, tuple(tables(s.request_id)))
+            for s in scheduled.scheduled
+            if s.num_draft_slots
+        ]
         if not slots:
             return {}
         try:
@@ -261,22 +267,37 @@ class LLMEngine:
             self.drafter.free(request.request_id)
             return None
 
-    def _execute(self, scheduled: SchedulerOutput, drafts: dict) -> tuple[RunnerOutput, list[Request]]:
+    def _grammar_masks(self, scheduled: SchedulerOutput, drafts: dict) -> dict:
+        """The grammar bitmask rows of the structured requests that sample this step, for the
+        runner: request id -> [k + 1, ceil(vocab / 32)] int32, row p after the first p drafts."""
+        if self._grammars is None:  # no structured request was ever served
+            return {}
+        masks, vocab = {}, self.model.config.vocab_size
+        for s in scheduled.scheduled:
+            grammar = self.scheduler.requests[s.request_id].grammar
+            if grammar is None or not s.sample:
+                continue
+            ids = drafts[s.request_id].token_ids if s.request_id in drafts else []
+            masks[s.request_id] = grammar_bitmask([grammar] * (len(ids) + 1), [ids[:p] for p in range(len(ids) + 1)], vocab)
+        return masks
+
+    def _execute(self, scheduled: SchedulerOutput, drafts: dict, masks: dict) -> tuple[RunnerOutput, list[Request]]:
         """The target pass. If it fails, each request is retried alone, so that
         only the requests that fail by themselves end (with an error)."""
         try:
-            return self.runner.execute(scheduled, drafts), []
+            return self.runner.execute(scheduled, drafts, masks), []
         except Exception:  # noqa: BLE001 - isolated below
             log.exception("step of %d requests failed; retrying them one by one", len(scheduled.scheduled))
         merged, failed = RunnerOutput({}), []
         for s in scheduled.scheduled:
-            alone = SchedulerOutput((s,))
+            alone = SchedulerOutput((s,), tuple(n for n in scheduled.new_requests if n.request_id == s.request_id))
             try:
-                merged.merge(self.runner.execute(alone, drafts))
+                merged.merge(self.runner.execute(alone, drafts, masks))
             except Exception as e:  # noqa: BLE001 - this request alone fails
                 log.error("request %s failed: %s", s.request_id, e)
-                self.scheduler.finish(s.request, "error", f"internal error: {type(e).__name__}")
-                failed.append(s.request)
+                req = self.scheduler.requests[s.request_id]
+                self.scheduler.finish(req, "error", f"internal error: {type(e).__name__}")
+                failed.append(req)
         return merged, failed
 
     def _after_step(self, scheduled: SchedulerOutput, plan: StepPlan, result: RunnerOutput, touched, times) -> None:
@@ -286,8 +307,8 @@ class LLMEngine:
                 rid = s.request_id
                 if rid in plan.decisions:
                     self.policy.record(rid, plan.decisions[rid], result.num_drafted.get(rid, 0), result.num_accepted.get(rid, 0))
-                if not s.request.is_finished:
-                    self.drafter.commit(s.request)
+                if (req := self.scheduler.requests.get(rid)) is not None:  # not finished
+                    self.drafter.commit(req)
             self.policy.end_step()
             if self.cost_tracker is not None and all(len(s.token_ids) == 1 for s in scheduled.scheduled):
                 rows = scheduled.num_tokens + sum(result.num_drafted.values())  # decode step: last tokens + drafts

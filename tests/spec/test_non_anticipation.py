@@ -49,8 +49,8 @@ def plans_and_drafts(engine, params: SamplingParams, n: int = 8):
             events[-1].append(("draft", s.request.request_id, s.num_tokens))
         return drafts
 
-    def verified(out, drafts=None):
-        result = execute(out, drafts)
+    def verified(out, *args):
+        result = execute(out, *args)
         for rid, k in result.num_drafted.items():
             events[-1].append(("verified", rid, proposed.pop(rid), k))
         return result

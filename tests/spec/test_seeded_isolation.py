@@ -37,8 +37,8 @@ def serve(e, requests: dict[str, SamplingParams]) -> dict[str, tuple[list[int], 
     rounds = {rid: [] for rid in requests}
     execute = e.runner.execute
 
-    def logged(out, drafts=None):
-        result = execute(out, drafts)
+    def logged(out, *args):
+        result = execute(out, *args)
         for rid, k in result.num_drafted.items():
             rounds[rid].append(k)
         return result
