@@ -23,6 +23,7 @@ def held(engine: LLMEngine, rid: str) -> set[str]:
     places = {
         "scheduler": rid in engine.scheduler.requests,
         "kv blocks": bool(engine.kv_manager.block_table(rid)),
+        "runner state": rid in engine.runner.requests,
         "runner generator": rid in engine.runner.generators,
         "drafter index": rid in engine.drafter.indexes,
         "policy record": rid in engine.policy.states,
@@ -47,7 +48,9 @@ def test_a_running_request_holds_everything_that_each_end_frees(tiny_model):
     engine = spec_engine(tiny_model)
     engine.add_request("a", PROMPT, SEEDED)
     run_until(engine, lambda: engine.policy.states.get("a") and engine.policy.states["a"].num_drafts)
-    assert held(engine, "a") == {"scheduler", "kv blocks", "runner generator", "drafter index", "policy record"}
+    assert held(engine, "a") == {
+        "scheduler", "kv blocks", "runner state", "runner generator", "drafter index", "policy record"
+    }
     engine.abort_request("a")
     assert held(engine, "a") == set() and all_freed(engine)
 
@@ -80,8 +83,8 @@ def test_a_preempted_then_aborted_request_frees_everything(tiny_model):
     engine.add_request("new", PROMPT[1:], SEEDED)
     waiting = lambda: any(r.request_id == "new" and r.num_preemptions for r in engine.scheduler.waiting)  # noqa: E731
     run_until(engine, waiting)
-    assert "runner generator" in held(engine, "new") and "kv blocks" not in held(engine, "new")
+    assert {"runner state", "runner generator"} <= held(engine, "new") and "kv blocks" not in held(engine, "new")
     engine.abort_request("new")
     assert held(engine, "new") == set()
     engine.abort_request("old")
-    assert all_freed(engine) and not engine.runner.generators and not engine.policy.states
+    assert all_freed(engine) and not engine.runner.requests and not engine.runner.generators and not engine.policy.states

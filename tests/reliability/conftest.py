@@ -114,6 +114,7 @@ def leftover_state(engine: LLMEngine, serving=None) -> dict[str, int]:
     held = {
         "scheduler.requests": len(engine.scheduler.requests),
         "kv block tables": len(engine.kv_manager._tables),
+        "runner.requests": len(engine.runner.requests),
         "runner.generators": len(engine.runner.generators),
     }
     if engine.policy is not None:
