@@ -80,7 +80,7 @@ async def create_chat_completion(
 async def list_models(request: Request) -> JSONResponse:
     serving = _state(request).serving
     cards = [
-        ModelCard(id=name, root=serving.llm.model_path, max_model_len=serving.max_model_len)
+        ModelCard(id=name, root=serving.engine.model_path, max_model_len=serving.max_model_len)
         for name in serving.model_names
     ]
     return JSONResponse(ModelList(data=cards).model_dump())

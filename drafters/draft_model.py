@@ -18,11 +18,11 @@ the rest.
 import numpy as np
 import torch
 
-from drafters.base import Draft, Drafter, DraftSlot, register
 from engine.attention import SeqSpec, build_attention_metadata
 from engine.models.llama import head_dim_of
 from engine.request import Request
 from engine.sampler import build_sampling_batch, exponential_noise, mask_logits, penalized_logits, processed_probs
+from engine.spec_decode.drafter import Draft, Drafter, DraftSlot
 from kvcache import KVCacheManager
 from kvcache.tensors import KVSpec, PagedKV
 
@@ -141,8 +141,7 @@ class ModelDrafter(SamplingDrafter):
         self.kv.free(request_id)
 
 
-@register("draft_model")
-def _draft_model(spec, *, target, tokenizer, num_blocks, block_size, dtype, device, **_) -> ModelDrafter:
+def build(spec, *, target, tokenizer, num_blocks, block_size, dtype, device, **_) -> ModelDrafter:
     """A separate, smaller model that shares the target's tokenizer."""
     from engine.loader import load_model, load_tokenizer
     from engine.model_store import resolve_model

@@ -17,9 +17,9 @@ after the speculation policy paused drafting.
 
 import torch
 
-from drafters.base import Draft, DraftSlot, register
 from drafters.draft_model import SamplingDrafter
 from engine.attention import SeqSpec, build_attention_metadata
+from engine.spec_decode.drafter import Draft, DraftSlot
 
 
 class EarlyExitDrafter(SamplingDrafter):
@@ -56,8 +56,7 @@ def _cost_per_token(target, num_layers: int) -> float:
     return (num_layers * layer + head) / (len(target.layers) * layer + head)
 
 
-@register("early_exit")
-def _early_exit(spec, *, target, target_kv, block_size, device, **_) -> EarlyExitDrafter:
+def build(spec, *, target, target_kv, block_size, device, **_) -> EarlyExitDrafter:
     """Self-drafting: the target's first ``num_layers`` layers, its final norm and head."""
     total = target.config.num_hidden_layers
     layers = spec.num_layers or max(1, total // 4)

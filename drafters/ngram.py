@@ -13,7 +13,7 @@ most recent start, extended incrementally as tokens commit, so a step costs
 O(k + max_n) per request, not O(context).
 """
 
-from drafters.base import Draft, Drafter, DraftSlot, register
+from engine.spec_decode.drafter import Draft, Drafter, DraftSlot
 
 
 class NgramIndex:
@@ -101,6 +101,5 @@ class NgramDrafter(Drafter):
         self.matches.pop(request_id, None)
 
 
-@register("ngram")
-def _build(spec, **_) -> NgramDrafter:
+def build(spec, **_) -> NgramDrafter:
     return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)

@@ -1,10 +1,17 @@
 """The async engine client: the engine loop on its own thread, streams for asyncio.
 
-``add_request`` returns an async iterator of ``RequestOutput`` deltas, the last
-one with ``finished=True``. ``abort`` ends a request and frees its KV blocks
-(called, for example, when an HTTP client disconnects). Requests and aborts
-cross to the engine thread through a queue; outputs come back through
+``add_request`` hands the request to the engine thread, which validates and
+adds it (``LLMEngine.add_request``: the one place a request is validated); it
+raises the engine's refusal (``InvalidParameter``, a duplicate id) or returns
+an async iterator of ``RequestOutput`` deltas, the last one with
+``finished=True``. ``abort`` ends a request and frees its KV blocks (called,
+for example, when an HTTP client disconnects). Requests and aborts cross to the
+engine thread through a queue; answers and outputs come back through
 ``loop.call_soon_threadsafe``.
+
+The server talks only to this class, never to the ``LLMEngine`` (not
+thread-safe): ``tokenize`` and ``max_model_len`` read immutable state, and
+``snapshot`` is the engine's state as the engine thread last pushed it.
 """
 
 import asyncio
@@ -18,6 +25,7 @@ from dataclasses import dataclass
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +41,7 @@ class _Add:
     params: SamplingParams
     stream: "asyncio.Queue[RequestOutput | BaseException]"
     loop: asyncio.AbstractEventLoop
+    accepted: asyncio.Future  # None once the engine added the request, or its refusal
 
 
 @dataclass
@@ -49,6 +58,7 @@ class AsyncEngine:
         self._stopped = threading.Event()  # set once the loop has ended; the inbox is then drained by whoever sees it
         self._wakeup = threading.Event()
         self.dead_error: BaseException | None = None
+        self.snapshot: EngineSnapshot = engine.snapshot()  # replaced, never mutated, by the engine thread
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
         self._thread.start()
 
@@ -60,19 +70,36 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_path(self) -> str:
+        return self.engine.model_path
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.engine.tokenize(text)
+
     async def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Validates (raising InvalidParameter) and enqueues; returns the delta stream."""
+        """Hands the request to the engine thread; raises its refusal (InvalidParameter,
+        ValueError for an id in use, EngineDeadError) or returns the delta stream."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
-        ids = self.engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        self.engine.validate(ids, params)
+        loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(_Add(request_id, ids, params, stream, asyncio.get_running_loop()))
+        accepted = loop.create_future()
+        self._inbox.put(_Add(request_id, prompt, params, stream, loop, accepted))
         self._wakeup.set()
         if self._stopped.is_set():  # the loop ended meanwhile: it may not see this request (no hang)
             self._refuse_inbox()
+        try:
+            await accepted
+        except asyncio.CancelledError:  # the caller went away: the engine may have added it
+            self.abort(request_id)
+            raise
         return self._iterate(request_id, stream)
 
     async def _iterate(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -111,6 +138,7 @@ class AsyncEngine:
                     self._wakeup.clear()
                     continue
                 self._step()
+                self.snapshot = self.engine.snapshot()
         except BaseException as e:  # noqa: BLE001 - the loop must report whatever killed it
             log.exception("engine loop died")
             self.dead_error = e
@@ -135,14 +163,18 @@ class AsyncEngine:
                 self._start(msg)
             elif (out := self.engine.abort_request(msg.request_id)) is not None:
                 self._deliver(out)
+        self.snapshot = self.engine.snapshot()
 
     def _start(self, msg: _Add) -> None:
         try:
             self.engine.add_request(msg.request_id, msg.prompt, msg.params)
-        except Exception as e:  # noqa: BLE001 - reported to the caller's stream
-            _send(msg, e)
+        except Exception as e:  # noqa: BLE001 - the caller's refusal
+            _answer(msg, e)
             return
         self._streams[msg.request_id] = msg
+        if not _answer(msg, None):  # nobody waits for it any more
+            del self._streams[msg.request_id]
+            self.engine.abort_request(msg.request_id)
 
     def _step(self) -> None:
         try:
@@ -150,7 +182,7 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
             log.error("engine step failed: %s", traceback.format_exc())
             error = f"internal error: {type(e).__name__}"
-            outputs = self.engine.fail_requests(list(self.engine.scheduler.running), error)
+            outputs = self.engine.fail_running(error)
             outputs += self._lost_in_step(outputs, error)
         self._deliver_step(outputs)
 
@@ -158,11 +190,10 @@ class AsyncEngine:
         """Requests that ended inside a step that then raised: the engine no longer
         has them and their last delta was lost, so their streams end with an error."""
         done = {out.request_id for out in failed}
-        requests = self.engine.scheduler.requests
         return [
             RequestOutput(rid, [], "", finished=True, finish_reason="error", error=error)
             for rid in self._streams
-            if rid not in requests and rid not in done
+            if not self.engine.has_request(rid) and rid not in done
         ]
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
@@ -200,7 +231,7 @@ class AsyncEngine:
         each message is taken once). Aborts need nothing: their requests were failed already."""
         for msg in self._take_inbox():
             if isinstance(msg, _Add):
-                _send(msg, EngineDeadError("the engine stopped"))
+                _answer(msg, EngineDeadError("the engine stopped"))
 
     def _fail_all(self, error: BaseException) -> None:
         for rid, msg in list(self._streams.items()):
@@ -216,6 +247,25 @@ def _put_all(items: list[tuple[_Add, RequestOutput]]) -> None:
     """On the event loop: one step's outputs onto their streams."""
     for msg, out in items:
         msg.stream.put_nowait(out)
+
+
+def _answer(msg: _Add, error: BaseException | None) -> bool:
+    """Resolves the caller's ``accepted`` future from the engine thread: None (added) or
+    the refusal. False when the caller's event loop is closed."""
+
+    def resolve():
+        if msg.accepted.done():  # cancelled meanwhile: add_request aborts it
+            return
+        if error is None:
+            msg.accepted.set_result(None)
+        else:
+            msg.accepted.set_exception(error)
+
+    try:
+        msg.loop.call_soon_threadsafe(resolve)
+    except RuntimeError:  # "Event loop is closed"
+        return False
+    return True
 
 
 def _send(msg: _Add, item) -> bool:

@@ -3,6 +3,13 @@ runner, and advances every request by one step at a time.
 
 Not thread-safe: one thread calls ``add_request``, ``abort_request`` and
 ``step`` (``AsyncEngine`` runs it on its own thread).
+
+A request's life: ``add_request`` validates it (the one place a request is
+validated) and queues it; steps run it; it ends finished (stop, length),
+aborted or failed. Every end goes through ``Scheduler.finish`` (which frees its
+KV blocks and records its id), and then through ``_release``, the one path that
+drops what the rest of the engine holds for it: the runner's state, the
+drafter's, the policy's record.
 """
 
 import logging
@@ -11,10 +18,7 @@ import time
 
 import torch
 
-from drafters.base import Draft, DraftSlot, build_drafter
-
 from engine.config import EngineConfig
-from engine.cost_tracker import CostTracker
 from engine.faults import FaultHook
 from engine.loader import load_config, load_model, load_tokenizer
 from engine.model_store import resolve_model
@@ -22,10 +26,14 @@ from engine.models.llama import head_dim_of
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.runner import ModelRunner
+from engine.sampler import grammar_bitmask
 from engine.sampling_params import InvalidParameter, SamplingParams
-from engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput, no_drafts
-from engine.spec_policy import SpecPolicy, StepCosts
-from engine.stats import StepTimes, make_step_stats, measure_step_costs
+from engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from engine.spec_decode.cost_tracker import CostTracker, measure_step_costs
+from engine.spec_decode.drafter import Draft, DraftSlot
+from engine.spec_decode.policy import Candidate, SpecPolicy, StepCosts, StepPlan
+from engine.spec_decode.registry import build_drafter
+from engine.stats import EngineSnapshot, StepTimes, make_step_stats
 from engine.stop import holdback
 from kvcache import KVCacheManager, blocks_needed
 from kvcache.tensors import KVSpec, PagedKV
@@ -67,8 +75,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.paged_kv, spec.block_size, device, config.model.seed)
         self.cost_tracker: CostTracker | None = None  # set by _speculation when costs are timed
         self.drafter, self.policy = self._speculation(config, num_blocks, spec, device, dtype, drafter)
-        slots = self.policy.num_draft_slots if self.policy else no_drafts
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, slots)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.eos_token_ids = _eos_ids(hf_config, tokenizer)
         self.stat_loggers: list = []  # callables taking each step's StepStats
         self.fault_hook: FaultHook | None = None
@@ -136,15 +143,39 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.finish(req, "abort")
-        return self._delta(req)
+        out = self._delta(req)
+        self._release()
+        return out
 
-    def fail_requests(self, requests: list[Request], error: str) -> list[RequestOutput]:
-        for req in requests:
+    def fail_running(self, error: str) -> list[RequestOutput]:
+        """End every running request with ``error`` (after a step that raised)."""
+        running = list(self.scheduler.running)
+        for req in running:
             self.scheduler.finish(req, "error", error)
-        return [self._delta(r) for r in requests]
+        outs = [self._delta(r) for r in running]
+        self._release()
+        return outs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.scheduler.requests
+
+    def snapshot(self) -> EngineSnapshot:
+        sched = self.scheduler
+        return EngineSnapshot(len(sched.running), len(sched.waiting), self.kv_manager.usage(), sched.num_preemptions)
+
+    def _release(self) -> None:
+        """The one release path: for every request that ended since the last call (finished,
+        aborted or failed; its KV blocks freed by ``Scheduler.finish``), drop the runner's,
+        the drafter's and the policy's state. A preempted request keeps them (it resumes)."""
+        for rid in self.scheduler.take_finished_ids():
+            self.runner.free(rid)
+            if self.drafter is not None:
+                self.drafter.free(rid)
+            if self.policy is not None:
+                self.policy.free(rid)
 
     def _speculation(self, config: EngineConfig, num_blocks: int, spec: KVSpec, device, dtype, drafter=None):
         sc = config.speculative
@@ -164,35 +195,53 @@ class LLMEngine:
         log.info("speculation: %s, k=%d, draft cost %.3f per token; pass cost by tokens %s",
                  sc.method, k, drafter.cost_per_token,
                  " ".join(f"{r}:{c:.2f}" for r, c in zip(costs.rows, costs.costs)))
-        return drafter, SpecPolicy(sc, drafter.cost_per_token, costs, self._context_class)
+        return drafter, SpecPolicy(sc, drafter.cost_per_token, costs)
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self.step_fallbacks = 0
-        if self.policy is not None:
-            self.policy.begin_step(len(self.scheduler.running))
-        scheduled = self.scheduler.schedule()
+        plan = self._plan()
+        scheduled = self.scheduler.schedule(plan.num_draft_slots)
         if scheduled.is_empty:
             return []
         drafts = self._propose(scheduled)
         t1 = time.perf_counter()
-        result, failed = self._execute(scheduled, drafts)
+        result, failed = self._execute(scheduled, drafts, self._grammar_masks(scheduled, drafts))
         t2 = time.perf_counter()
         touched = failed + self.scheduler.update(scheduled, result)
-        self._after_step(scheduled, result, touched, StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t0))
-        return [self._delta(r) for r in touched]
+        self._after_step(scheduled, plan, result, touched, StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t0))
+        outputs = [self._delta(r) for r in touched]
+        self._release()
+        return outputs
 
     def set_fault_hook(self, hook: FaultHook | None) -> None:
         """Tests: ``hook(stage, request_ids)`` may raise to simulate a failure (see engine.faults)."""
         self.fault_hook = self.runner.fault_hook = hook
 
+    def _plan(self) -> StepPlan:
+        """The speculation policy's plan for this step, from the records of the steps before
+        it and the drafter's context classes of the decoding requests (asked here, before
+        scheduling). Changes no policy state."""
+        if self.policy is None:
+            return StepPlan({})
+        running = self.scheduler.running
+        candidates = [
+            Candidate(r.request_id, self._context_class(r), isolated=r.params.seed is not None)
+            for r in running
+            if r.params.speculate and r.num_computed_tokens + 1 == r.num_tokens
+        ]
+        return self.policy.plan(candidates, len(running))
+
     def _propose(self, scheduled: SchedulerOutput) -> dict:
         """Drafts for the scheduled slots; a failing drafter means no drafts this step."""
         if self.drafter is None:
             return {}
-        for rid in scheduled.finished_ids:
-            self.drafter.free(rid)
-        slots = [DraftSlot(s.request, s.num_draft_slots, s.block_table) for s in scheduled.scheduled if s.num_draft_slots]
+        requests, tables = self.scheduler.requests, self.kv_manager.block_table
+        slots = [
+            DraftSlot(requests[s.request_id], s.num_draft_slots, tuple(tables(s.request_id)))
+            for s in scheduled.scheduled
+            if s.num_draft_slots
+        ]
         if not slots:
             return {}
         try:
@@ -207,7 +256,7 @@ class LLMEngine:
             return {}
 
     def _context_class(self, request: Request) -> int | None:
-        """The drafter's class of the request's context (scheduling asks it); a failure
+        """The drafter's class of the request's context (the plan asks it); a failure
         means no drafts for this request this step, as in ``_propose``."""
         try:
             if self.fault_hook:
@@ -219,32 +268,48 @@ class LLMEngine:
             self.drafter.free(request.request_id)
             return None
 
-    def _execute(self, scheduled: SchedulerOutput, drafts: dict) -> tuple[RunnerOutput, list[Request]]:
+    def _grammar_masks(self, scheduled: SchedulerOutput, drafts: dict) -> dict:
+        """The grammar bitmask rows of the structured requests that sample this step, for the
+        runner: request id -> [k + 1, ceil(vocab / 32)] int32, row p after the first p drafts."""
+        if self._grammars is None:  # no structured request was ever served
+            return {}
+        masks, vocab = {}, self.model.config.vocab_size
+        for s in scheduled.scheduled:
+            grammar = self.scheduler.requests[s.request_id].grammar
+            if grammar is None or not s.sample:
+                continue
+            ids = drafts[s.request_id].token_ids if s.request_id in drafts else []
+            masks[s.request_id] = grammar_bitmask([grammar] * (len(ids) + 1), [ids[:p] for p in range(len(ids) + 1)], vocab)
+        return masks
+
+    def _execute(self, scheduled: SchedulerOutput, drafts: dict, masks: dict) -> tuple[RunnerOutput, list[Request]]:
         """The target pass. If it fails, each request is retried alone, so that
         only the requests that fail by themselves end (with an error)."""
         try:
-            return self.runner.execute(scheduled, drafts), []
+            return self.runner.execute(scheduled, drafts, masks), []
         except Exception:  # noqa: BLE001 - isolated below
             log.exception("step of %d requests failed; retrying them one by one", len(scheduled.scheduled))
         merged, failed = RunnerOutput({}), []
-        for i, s in enumerate(scheduled.scheduled):
-            alone = SchedulerOutput((s,), finished_ids=scheduled.finished_ids if i == 0 else ())
+        for s in scheduled.scheduled:
+            alone = SchedulerOutput((s,), tuple(n for n in scheduled.new_requests if n.request_id == s.request_id))
             try:
-                merged.merge(self.runner.execute(alone, drafts))
+                merged.merge(self.runner.execute(alone, drafts, masks))
             except Exception as e:  # noqa: BLE001 - this request alone fails
                 log.error("request %s failed: %s", s.request_id, e)
-                self.scheduler.finish(s.request, "error", f"internal error: {type(e).__name__}")
-                failed.append(s.request)
+                req = self.scheduler.requests[s.request_id]
+                self.scheduler.finish(req, "error", f"internal error: {type(e).__name__}")
+                failed.append(req)
         return merged, failed
 
-    def _after_step(self, scheduled: SchedulerOutput, result: RunnerOutput, touched: list[Request], times) -> None:
-        """Tell the drafter what was kept, feed the policy, report stats."""
+    def _after_step(self, scheduled: SchedulerOutput, plan: StepPlan, result: RunnerOutput, touched, times) -> None:
+        """Tell the drafter what was kept, record the plan of the requests that ran, report stats."""
         if self.policy is not None:
             for s in scheduled.scheduled:
                 rid = s.request_id
-                self.policy.record(s.request, result.num_drafted.get(rid, 0), result.num_accepted.get(rid, 0))
-                if not s.request.is_finished:
-                    self.drafter.commit(s.request)
+                if rid in plan.decisions:
+                    self.policy.record(rid, plan.decisions[rid], result.num_drafted.get(rid, 0), result.num_accepted.get(rid, 0))
+                if (req := self.scheduler.requests.get(rid)) is not None:  # not finished
+                    self.drafter.commit(req)
             self.policy.end_step()
             if self.cost_tracker is not None and all(len(s.token_ids) == 1 for s in scheduled.scheduled):
                 rows = scheduled.num_tokens + sum(result.num_drafted.values())  # decode step: last tokens + drafts
@@ -277,16 +342,8 @@ class LLMEngine:
             logprobs=logprobs,
             prompt_logprobs=req.prompt_logprobs if first else None,
             error=req.error,
-            spec=self._finish_spec(req) if req.is_finished else {},
+            spec=self.spec_summary(req.request_id) if req.is_finished else {},
         )
-
-    def _finish_spec(self, req: Request) -> dict:
-        if self.policy is None:
-            return {}
-        summary = self.spec_summary(req.request_id)
-        self.policy.free(req.request_id)
-        self.drafter.free(req.request_id)
-        return summary
 
 
 def _cut_to_grammar(drafts: dict, slots: list[DraftSlot]) -> dict:

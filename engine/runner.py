@@ -12,21 +12,33 @@ being the target's distribution after the first ``i`` drafts::
 
     tokens fed:  t_last  d1  d2  d3        (k = 3)
     logit row:   0       1   2   3         row i predicts the token after d_i
+
+State: the runner sees each request whole once (``SchedulerOutput.new_requests``)
+and then only per-step changes; it keeps what sampling needs (parameters,
+token ids for penalties, block table, generator) in a ``RequestState`` keyed
+by request id, until the engine's release path calls ``free``. Applying a
+step's changes is idempotent (tables and tokens are cut at the step's start,
+then extended), so a failed step can be run again request by request.
+
+Structured outputs reach the runner as data: per request, the grammar's
+bitmask rows for this step (``execute``'s ``grammar_masks``), computed
+engine-side where the grammar matchers live.
 """
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from drafters.base import Draft
+from engine.spec_decode.drafter import Draft
 from engine.attention import SeqSpec, build_attention_metadata
 from engine.outputs import TokenLogprob
 from engine.rejection_sampler import PLACEHOLDER, greedy_verify, rejection_sample
-from engine.request import Request
 from engine.sampler import (
+    apply_bitmask,
     build_sampling_batch,
     compute_logprobs,
     exponential_noise,
-    mask_logits,
     penalized_logits,
     processed_probs,
     sample,
@@ -36,6 +48,21 @@ from engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 from kvcache.tensors import PagedKV
 
 
+@dataclass
+class RequestState:
+    """What the runner keeps of one request between steps."""
+
+    request_id: str
+    params: SamplingParams
+    num_prompt_tokens: int
+    token_ids: list[int]  # prompt, then every token computed or sampled so far (penalties read it)
+    block_table: list[int] = field(default_factory=list)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
 class ModelRunner:
     def __init__(self, model, kv: PagedKV, block_size: int, device: torch.device, seed: int = 0):
         self.model = model
@@ -43,14 +70,26 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.vocab_size = model.config.vocab_size
+        self.requests: dict[str, RequestState] = {}
         self.generators: dict[str, torch.Generator] = {}  # per seeded request, kept across preemption
+        self._grammar_masks: dict[str, torch.Tensor] = {}  # this step's, see execute
         self.fault_hook = None  # tests: called as hook(stage, request_ids); see engine.faults
         torch.manual_seed(seed)
 
+    def free(self, request_id: str) -> None:
+        """The request ended: drop its state (the engine's release path calls this)."""
+        self.requests.pop(request_id, None)
+        self.generators.pop(request_id, None)
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, drafts: dict[str, Draft] | None = None) -> RunnerOutput:
-        for rid in out.finished_ids:
-            self.generators.pop(rid, None)
+    def execute(
+        self, out: SchedulerOutput, drafts: dict[str, Draft] | None = None, grammar_masks: dict | None = None
+    ) -> RunnerOutput:
+        """One step. ``grammar_masks``: request id -> the grammar's bitmask rows of a structured
+        request that samples, [k + 1, ceil(vocab / 32)] int32, row p after its first p drafts
+        (``engine.sampler.grammar_bitmask``)."""
+        self._apply_changes(out)
+        self._grammar_masks = grammar_masks or {}
         drafts = drafts or {}
         sched = out.scheduled
         chains = [s.token_ids + tuple(drafts[s.request_id].token_ids if s.request_id in drafts else ()) for s in sched]
@@ -59,7 +98,7 @@ class ModelRunner:
         logits, rows, prompt_logprobs = self._forward(sched, chains)
         if logits is None:
             return RunnerOutput({}, prompt_logprobs=prompt_logprobs)
-        requests = [sched[i].request for i in rows]
+        requests = [self.requests[sched[i].request_id] for i in rows]
         if self.fault_hook:
             self.fault_hook("sampler", [r.request_id for r in requests])
         row_drafts = [drafts.get(r.request_id) for r in requests]
@@ -67,8 +106,22 @@ class ModelRunner:
             result = self._sample(logits, requests)
         else:
             result = self._verify(logits, requests, row_drafts)
+        for rid, tokens in result.sampled.items():
+            self.requests[rid].token_ids.extend(tokens)
         result.prompt_logprobs = prompt_logprobs
         return result
+
+    def _apply_changes(self, out: SchedulerOutput) -> None:
+        """The step's new requests and per-request changes (idempotent: see the module doc)."""
+        for n in out.new_requests:
+            if n.request_id not in self.requests:
+                self.requests[n.request_id] = RequestState(n.request_id, n.params, len(n.prompt_token_ids), list(n.prompt_token_ids))
+        for s in out.scheduled:
+            st = self.requests[s.request_id]
+            del st.block_table[s.block_start :]
+            st.block_table.extend(s.new_block_ids)
+            del st.token_ids[s.context_len :]
+            st.token_ids.extend(s.token_ids)
 
     def _forward(self, sched: tuple[ScheduledRequest, ...], chains: list[tuple[int, ...]]):
         """One target pass. Returns logits [R, vocab] of the sampling rows, the
@@ -77,7 +130,7 @@ class ModelRunner:
         query_lens = np.array([len(c) for c in chains], dtype=np.int64)
         input_ids = np.fromiter((t for c in chains for t in c), dtype=np.int64, count=int(query_lens.sum()))
         positions = np.concatenate([np.arange(s.context_len, s.context_len + len(c)) for s, c in zip(sched, chains)])
-        specs = [SeqSpec(s.context_len, len(c), list(s.block_table)) for s, c in zip(sched, chains)]
+        specs = [SeqSpec(s.context_len, len(c), self.requests[s.request_id].block_table) for s, c in zip(sched, chains)]
         meta = build_attention_metadata(specs, self.block_size, self.device)
         hidden = self.model(self._t(input_ids), self._t(positions), meta, self.kv)  # [T, hidden]
         prompt_logprobs = self._prompt_logprobs(hidden, sched, query_lens)
@@ -103,7 +156,7 @@ class ModelRunner:
         starts = np.cumsum(query_lens) - query_lens
         idx, targets, spans = [], [], []
         for i, s in enumerate(sched):
-            req = s.request
+            req = self.requests[s.request_id]
             end = min(s.context_len + len(s.token_ids), req.num_prompt_tokens - 1)  # positions < end score
             if not req.params.scores_prompt or end <= s.context_len:
                 continue
@@ -123,17 +176,17 @@ class ModelRunner:
             j += n
         return out
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> RunnerOutput:
+    def _sample(self, logits: torch.Tensor, requests: list[RequestState]) -> RunnerOutput:
         """Plain decoding: one token per request. logits [n, vocab]; logprobs are of the raw
         logits, the sample of the grammar-masked ones."""
         batch = build_sampling_batch(requests, self.vocab_size, self.device, self._generators(requests))
-        tokens = sample(mask_logits(logits, requests), batch)
+        tokens = sample(self._masked(logits, [(r.request_id, 0) for r in requests]), batch)
         result = RunnerOutput({r.request_id: [t] for r, t in zip(requests, tokens.tolist())})
         if batch.num_logprobs is not None:
             self._add_logprobs(result, logits, tokens, requests, batch.num_logprobs)
         return result
 
-    def _verify(self, logits: torch.Tensor, requests: list[Request], drafts: list[Draft | None]) -> RunnerOutput:
+    def _verify(self, logits: torch.Tensor, requests: list[RequestState], drafts: list[Draft | None]) -> RunnerOutput:
         """Greedy matching / rejection sampling of every request's drafts at once.
 
         logits [R, vocab] with R = sum(k_r + 1) rows, request by request.
@@ -147,7 +200,7 @@ class ModelRunner:
         prefixes = [tuple(drafts[i].token_ids[:p]) if drafts[i] else () for i, p in zip(row_req, row_pos)]
         batch = build_sampling_batch(row_requests, self.vocab_size, self.device, [None] * len(row_req), prefixes)
         rr, rp = self._t(row_req), self._t(row_pos)
-        masked = mask_logits(logits, row_requests, prefixes)  # row i: the grammar after its drafts
+        masked = self._masked(logits, [(requests[i].request_id, p) for i, p in zip(row_req, row_pos)])
         argmax = torch.zeros(n, k_max + 1, dtype=torch.long, device=self.device)
         argmax[rr, rp] = penalized_logits(masked, batch).argmax(-1)
         ids = np.full((n, k_max), PLACEHOLDER, dtype=np.int64)
@@ -202,10 +255,21 @@ class ModelRunner:
         tokens = torch.tensor([result.sampled[requests[row_req[i]].request_id][row_pos[i]] for i in keep])
         self._add_logprobs(result, logits[self._t(np.array(keep))], tokens, [requests[row_req[i]] for i in keep], top_n)
 
+    def _masked(self, logits: torch.Tensor, rows: list[tuple[str, int]]) -> torch.Tensor:
+        """logits [R, vocab] with the tokens outside row j's grammar at -inf, ``rows[j]`` being
+        (request id, drafts before the row); ``logits`` itself when no row has a grammar."""
+        masks = self._grammar_masks
+        if not masks:
+            return logits
+        idx = [j for j, (rid, _) in enumerate(rows) if rid in masks]
+        if not idx:
+            return logits
+        return apply_bitmask(logits, idx, torch.stack([masks[rows[j][0]][rows[j][1]] for j in idx]))
+
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
 
-    def _generators(self, requests: list[Request]) -> list[torch.Generator | None]:
+    def _generators(self, requests: list[RequestState]) -> list[torch.Generator | None]:
         return [self._generator(r.request_id, r.params) for r in requests]
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:

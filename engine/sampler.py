@@ -193,11 +193,23 @@ def mask_logits(logits: torch.Tensor, requests: Sequence, prefixes: Sequence[Seq
     rows = [i for i, r in enumerate(requests) if r.grammar is not None]
     if not rows:
         return logits
-    vocab = logits.shape[-1]
-    bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
-    for j, i in enumerate(rows):
-        requests[i].grammar.fill(bitmask, j, prefixes[i] if prefixes else ())
-    allowed = unpack_bitmask(bitmask, vocab).to(logits.device)  # [len(rows), V]
+    grammars = [requests[i].grammar for i in rows]
+    bitmask = grammar_bitmask(grammars, [prefixes[i] if prefixes else () for i in rows], logits.shape[-1])
+    return apply_bitmask(logits, rows, bitmask)
+
+
+def grammar_bitmask(grammars: Sequence, prefixes: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
+    """Allowed tokens of each grammar after ``prefixes[i]``, packed 32 per int32 (xgrammar's
+    layout). [len(grammars), ceil(vocab / 32)] int32."""
+    bitmask = torch.full((len(grammars), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    for j, (grammar, prefix) in enumerate(zip(grammars, prefixes)):
+        grammar.fill(bitmask, j, prefix)
+    return bitmask
+
+
+def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` [n, V] with row ``rows[j]``'s tokens outside ``bitmask[j]`` at -inf (a copy)."""
+    allowed = unpack_bitmask(bitmask, logits.shape[-1]).to(logits.device)  # [len(rows), V]
     index = torch.tensor(rows, device=logits.device)
     out = logits.clone()
     out[index] = logits[index].masked_fill(~allowed, -torch.inf)

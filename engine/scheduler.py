@@ -4,7 +4,12 @@ One rule: every running request catches ``num_computed_tokens`` up to
 ``num_tokens``. A new prompt, a chunk of a long prompt, a request resumed after
 preemption and a decode are the same thing with different counts. It speaks
 ids and counts only (no torch) and hands the runner one frozen
-``SchedulerOutput`` per step.
+``SchedulerOutput`` per step: plain data (it pickles), never a live ``Request``.
+A request crosses once, whole, the first time it is scheduled
+(``NewRequest``); after that each step sends only what changed
+(``ScheduledRequest``): the tokens to compute, the block ids appended to its
+table (after a rollback or a preemption, from the first block that changed),
+and its draft slots. The runner keeps the rest keyed by request id.
 
 Order: running requests first, oldest first, then waiting ones while the token
 budget, ``max_num_seqs`` and free blocks allow. When a running request cannot
@@ -21,34 +26,45 @@ each step the full blocks of its verified tokens are registered for others.
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
 from engine.stop import append_tokens
 from kvcache import KVCacheManager
 
 
 @dataclass(frozen=True)
+class NewRequest:
+    """A request the runner has not seen yet: sent once, in the step that first schedules it."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
 class ScheduledRequest:
-    request: Request  # read by the runner for sampling; never modified by it
+    """One request's work this step, as changes to what the runner already holds."""
+
+    request_id: str
     token_ids: tuple[int, ...]  # tokens computed this step: positions context_len ..
     context_len: int  # tokens already in the KV cache
-    block_table: tuple[int, ...]
+    # The block table is ``runner's table[:block_start] + new_block_ids``: blocks appended
+    # this step, or (after a rollback or a preemption) from the first block that changed.
+    block_start: int
+    new_block_ids: tuple[int, ...]
     sample: bool  # the last token's logits give the next token (False mid-prompt and for max_tokens 0)
     num_draft_slots: int = 0  # drafts that may follow token_ids (KV slots reserved for them)
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
     scheduled: tuple[ScheduledRequest, ...]
+    new_requests: tuple[NewRequest, ...] = ()  # first scheduled this step: the runner keeps them
     preempted_ids: tuple[str, ...] = ()
-    finished_ids: tuple[str, ...] = ()  # ended since the last step: the runner drops their state
     # Prefix cache, for metrics: tokens of the requests admitted this step, and how many were cached.
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
@@ -78,26 +94,16 @@ class RunnerOutput:
             mine.update(theirs)
 
 
-def no_drafts(request: Request) -> int:
-    return 0
-
-
 class Scheduler:
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        kv: KVCacheManager,
-        max_model_len: int,
-        num_draft_slots: Callable[[Request], int] = no_drafts,
-    ):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
         self.config = config
-        self.num_draft_slots = num_draft_slots  # the speculation policy: counts only
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
+        self._num_synced_blocks: dict[str, int] = {}  # leading blocks of a table the runner holds; absent: new
         self.num_preemptions = 0
         self.watermark = max(1, kv.pool.num_blocks // 100)  # blocks kept free when admitting
 
@@ -116,6 +122,7 @@ class Scheduler:
         if not request.is_finished:
             request.finish(reason, error)
         del self.requests[request.request_id]
+        self._num_synced_blocks.pop(request.request_id, None)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -123,18 +130,28 @@ class Scheduler:
         self.kv.free(request.request_id)
         self._finished_ids.append(request.request_id)
 
-    def schedule(self) -> SchedulerOutput:
+    def take_finished_ids(self) -> list[str]:
+        """The requests ended (finished, aborted, failed) since the last call: the engine's
+        release path frees what the rest of the engine holds for them."""
+        ids, self._finished_ids = self._finished_ids, []
+        return ids
+
+    def schedule(self, num_draft_slots: Mapping[str, int] | None = None) -> SchedulerOutput:
+        """This step's work. ``num_draft_slots``: the speculation policy's plan, request
+        id -> draft slots wanted after its decode token (cut to the budget and limits)."""
+        num_draft_slots = num_draft_slots or {}
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        new: list[NewRequest] = []
         preempted: list[str] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            k = self._draft_slots(req, n, budget)
+            k = self._draft_slots(req, n, budget, num_draft_slots.get(req.request_id, 0))
             if not self._reserve(req, n + k, preempted):
                 break
-            scheduled.append(self._scheduled(req, n, k))
+            scheduled.append(self._scheduled(req, n, new, k))
             budget -= n + k
             i += 1
         queries = hits = 0
@@ -145,10 +162,9 @@ class Scheduler:
                 break
             if self.kv.enable_prefix_caching:
                 queries, hits = queries + req.num_tokens, hits + req.num_computed_tokens
-            scheduled.append(self._scheduled(req, n))
+            scheduled.append(self._scheduled(req, n, new))
             budget -= n
-        finished, self._finished_ids = tuple(self._finished_ids), []
-        return SchedulerOutput(tuple(scheduled), tuple(preempted), finished, queries, hits)
+        return SchedulerOutput(tuple(scheduled), tuple(new), tuple(preempted), queries, hits)
 
     def _admit(self, req: Request, budget: int) -> int | None:
         """Move the first waiting request (new or preempted: nothing computed, no
@@ -171,16 +187,16 @@ class Scheduler:
         self.running.append(req)
         return n
 
-    def _draft_slots(self, req: Request, n: int, budget: int) -> int:
+    def _draft_slots(self, req: Request, n: int, budget: int, wanted: int) -> int:
         """Draft slots after a decode token, within the budget and the request's limits."""
-        if n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+        if not wanted or n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
             return 0  # prefill or a partial chunk: nothing to draft after
         room = min(
             budget - 1,
             req.params.max_tokens - req.num_output_tokens - 1,
             self.max_model_len - req.num_tokens - 1,
         )
-        return max(0, min(self.num_draft_slots(req), room))
+        return max(0, min(wanted, room))
 
     def _reserve(self, req: Request, n: int, preempted: list[str]) -> bool:
         """Blocks for ``n`` more tokens of ``req``, preempting the newest running
@@ -195,19 +211,27 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
+        self._num_synced_blocks[req.request_id] = 0
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _scheduled(self, req: Request, n: int, k: int = 0) -> ScheduledRequest:
-        start = req.num_computed_tokens
+    def _scheduled(self, req: Request, n: int, new: list[NewRequest], k: int = 0) -> ScheduledRequest:
+        rid, start = req.request_id, req.num_computed_tokens
+        synced = self._num_synced_blocks.get(rid)
+        if synced is None:
+            new.append(NewRequest(rid, tuple(req.prompt_token_ids), req.params))
+            synced = 0
+        table = self.kv.block_table(rid)
+        self._num_synced_blocks[rid] = len(table)
         return ScheduledRequest(
-            request=req,
+            request_id=rid,
             token_ids=tuple(req.token_ids[start : start + n]),
             context_len=start,
-            block_table=tuple(self.kv.block_table(req.request_id)),
+            block_start=synced,
+            new_block_ids=tuple(table[synced:]),
             sample=start + n == req.num_tokens and req.params.max_tokens > 0,
             num_draft_slots=k,
         )
@@ -224,10 +248,10 @@ class Scheduler:
         """
         touched = []
         for s in out.scheduled:
-            req = s.request
-            if req.is_finished or req.request_id not in self.requests:
-                continue  # aborted during the step
-            rid = req.request_id
+            rid = s.request_id
+            req = self.requests.get(rid)
+            if req is None:
+                continue  # aborted or failed during the step
             req.num_computed_tokens += len(s.token_ids) + result.num_accepted.get(rid, 0)
             if rid in result.prompt_logprobs:
                 req.add_prompt_logprobs(*result.prompt_logprobs[rid])
@@ -246,4 +270,6 @@ class Scheduler:
                 self.finish(req, req.finish_reason)
             elif tokens and s.num_draft_slots:
                 self.kv.truncate(rid, req.num_tokens)
+                synced = self._num_synced_blocks
+                synced[rid] = min(synced[rid], len(self.kv.block_table(rid)))
         return touched

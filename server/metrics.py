@@ -4,8 +4,9 @@ Two kinds of input:
 
 * ``RequestStats``, one per engine request (one choice of one HTTP request),
   updated by the serving layer as deltas arrive and reported when it ends;
-* ``EngineSnapshot``, read from the engine when Prometheus scrapes: running and
-  waiting requests, KV-cache usage, preemptions so far.
+* ``EngineSnapshot`` (``engine.stats``), pushed by the engine thread after each
+  step and read when Prometheus scrapes: running and waiting requests, KV-cache
+  usage, preemptions so far.
 
 Metrics live in a per-app ``CollectorRegistry`` (tests build several apps), all
 named ``specserve_*`` and labelled with ``model_name``. Only counters,
@@ -46,6 +47,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.stats import EngineSnapshot
+
 # The *_created series double the output and carry nothing PromQL needs (vLLM drops them too).
 prometheus_client.disable_created_metrics()
 
@@ -54,16 +57,6 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160, 640)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 60, 120, 240, 480, 960, 1920, 7680)
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine's state at one instant (read by the scrape, not pushed)."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # 0..1 of the block pool in use
-    num_preemptions: int  # since start
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """The serving layer's core: HTTP requests in, engine requests out.
 
 ``ServingEngine.submit`` turns one HTTP request into one engine request per
-choice (prompts x n): it validates every choice first, applies admission
-(draining, dead engine, full queue), submits them all, and returns a
+choice (prompts x n): it applies admission (draining, dead engine, full
+queue), submits them all (the engine validates each: a refusal is a 400 and
+the choices already accepted are aborted), and returns a
 ``Generation`` whose ``stream()`` merges their delta streams into
 ``(choice_index, RequestOutput)`` pairs.
 
@@ -34,7 +35,7 @@ from api.errors import APIError, bad_request
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.outputs import RequestOutput
 from engine.sampling_params import InvalidParameter, SamplingParams
-from server.metrics import EngineSnapshot, RequestStats, ServingMetrics
+from server.metrics import RequestStats, ServingMetrics
 from server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -194,25 +195,23 @@ class ServingEngine:
 
     def __init__(self, engine: AsyncEngine, settings: ServerSettings):
         self.engine = engine
-        self.llm = engine.engine
         self.settings = settings
         self.model_names = settings.model_names
-        self.metrics = ServingMetrics(self.model_names[0], self.snapshot)
+        self.metrics = ServingMetrics(self.model_names[0], lambda: engine.snapshot)
         self.pending = 0
         self.live: dict[str, Generation] = {}
         self.draining = False
 
     @property
     def tokenizer(self):
-        return self.llm.tokenizer
+        return self.engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.llm.max_model_len
+        return self.engine.max_model_len
 
-    def snapshot(self) -> EngineSnapshot:
-        sched, kv = self.llm.scheduler, self.llm.kv_manager
-        return EngineSnapshot(len(sched.running), len(sched.waiting), kv.usage(), sched.num_preemptions)
+    def tokenize(self, text: str) -> list[int]:
+        return self.engine.tokenize(text)
 
     def check_model(self, name: str | None) -> str:
         """The name to report; 404 for a name this server does not serve."""
@@ -221,12 +220,7 @@ class ServingEngine:
         raise APIError(404, f"the model '{name}' does not exist", param="model", code="model_not_found")
 
     async def submit(self, request_id: str, requests: list[tuple[list[int], SamplingParams]]) -> Generation:
-        """Validate, admit and start one engine request per (prompt, params); see the module doc."""
-        for ids, params in requests:
-            try:
-                self.llm.validate(ids, params)
-            except InvalidParameter as e:
-                raise bad_request(str(e), param=e.param) from None
+        """Admit and start one engine request per (prompt, params); see the module doc."""
         self._admit(len(requests))
         choices = [_Choice(f"{request_id}-{i}", ids, p) for i, (ids, p) in enumerate(requests)]
         gen = Generation(self, request_id, choices)
@@ -237,10 +231,24 @@ class ServingEngine:
         try:
             for c in choices:
                 gen._streams.append(await self.engine.add_request(c.engine_id, c.prompt_token_ids, c.params))
+        except InvalidParameter as e:
+            self._refused(gen)
+            raise bad_request(str(e), param=e.param) from None
         except BaseException as e:
             gen.close("error")
             raise _engine_failure(e) from e
         return gen
+
+    def _refused(self, gen: Generation) -> None:
+        """The engine refused a choice: abort those it accepted; the request never started
+        (no metrics, no log line)."""
+        for c in gen.choices:
+            self.engine.abort(c.engine_id)  # a no-op for the choices never added
+        gen.closed = True
+        self.live.pop(gen.request_id, None)
+        self.pending -= len(gen.choices)
+        if gen._deadline is not None:
+            gen._deadline.cancel()
 
     def _admit(self, num_new: int) -> None:
         limit = self.settings.max_waiting

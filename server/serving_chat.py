@@ -82,7 +82,7 @@ class ChatServing:
             text = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False, **extra)
         except jinja2.TemplateError as e:
             raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from None
-        return self.serving.llm.tokenize(text)
+        return self.serving.tokenize(text)
 
     def _max_tokens(self, req: ChatCompletionRequest, num_prompt_tokens: int) -> int:
         """The request's limit, or else the rest of the context (OpenAI's default)."""

@@ -66,7 +66,7 @@ class CompletionServing:
             raise bad_request("prompt must not be empty", param="prompt")
         if isinstance(prompt[0], int):
             return [list(prompt)]
-        return [self.serving.llm.tokenize(p) if isinstance(p, str) else list(p) for p in prompt]
+        return [self.serving.tokenize(p) if isinstance(p, str) else list(p) for p in prompt]
 
     def _prompt_text(self, prompt, index: int, ids: list[int]) -> str:
         if isinstance(prompt, str):

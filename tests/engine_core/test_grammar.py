@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from drafters.base import Draft, DraftSlot
+from engine.spec_decode.drafter import Draft, DraftSlot
 from engine.grammar import Grammars
 from engine.llm_engine import _cut_to_grammar
 from engine.sampler import mask_logits

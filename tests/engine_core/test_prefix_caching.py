@@ -12,7 +12,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RunnerOutput
 from tests.engine_core.engine_helpers import greedy, run
-from tests.engine_core.test_scheduler import EOS, counts, create_scheduler, fake_token, step
+from tests.engine_core.test_scheduler import EOS, check_runner_tables, counts, create_scheduler, fake_token, step
 
 VOCAB = 512
 
@@ -64,11 +64,13 @@ def spec_step(sched, rng: random.Random):
     """schedule -> fake drafts and verification (a random number accepted) -> update.
     Before the 'forward', checks that every slot written this step (the computed
     tokens and the draft slots) lies in a private, uncached block."""
-    out = sched.schedule()
+    out = sched.schedule({r.request_id: 3 for r in sched.running})  # the plan: 3 drafts for every decode
+    check_runner_tables(sched, out, sched.__dict__.setdefault("runner_tables", {}))  # through rollbacks too
     pool, bs = sched.kv.pool, sched.kv.block_size
+    tables = {s.request_id: list(sched.kv.block_table(s.request_id)) for s in out.scheduled}
     for s in out.scheduled:
         for pos in range(s.context_len, s.context_len + len(s.token_ids) + s.num_draft_slots):
-            block = s.block_table[pos // bs]
+            block = tables[s.request_id][pos // bs]
             assert pool.ref_count(block) == 1 and not pool.is_cached(block), (s.request_id, pos)
     sampled, accepted = {}, {}
     for s in out.scheduled:
@@ -76,7 +78,7 @@ def spec_step(sched, rng: random.Random):
             continue
         k = s.num_draft_slots
         j = rng.randint(0, k)
-        tokens = [fake_token(s.request)] * (j + 1)  # accepted drafts + recovered / bonus token
+        tokens = [fake_token(sched.requests[s.request_id])] * (j + 1)  # accepted drafts + recovered / bonus token
         sampled[s.request_id] = tokens
         if k:
             accepted[s.request_id] = j
@@ -86,7 +88,7 @@ def spec_step(sched, rng: random.Random):
         cached = [i for i, b in enumerate(table) if pool.is_cached(b)]
         assert all((i + 1) * bs <= req.num_computed_tokens for i in cached)
     rolled_back = sum(
-        len(sched.kv.block_table(s.request_id)) < len(s.block_table) for s in out.scheduled if s.num_draft_slots
+        len(sched.kv.block_table(s.request_id)) < len(tables[s.request_id]) for s in out.scheduled if s.num_draft_slots
     )
     return out, rolled_back
 
@@ -98,7 +100,7 @@ def test_speculation_never_writes_into_or_rolls_back_a_shared_block(seed):
     block) only frees draft blocks."""
     rng = random.Random(seed)
     sched = create_scheduler(
-        num_blocks=64, block_size=4, max_model_len=128, enable_prefix_caching=True, num_draft_slots=lambda r: 3
+        num_blocks=64, block_size=4, max_model_len=128, enable_prefix_caching=True
     )
     common = [rng.randrange(50) for _ in range(13)]
     hits = rollbacks = 0

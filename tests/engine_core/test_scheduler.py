@@ -1,6 +1,8 @@
 """The scheduler alone: the real Scheduler and KVCacheManager with a tiny KV
 spec, plain Requests, and a fake runner that returns chosen tokens. No model."""
 
+import dataclasses
+import pickle
 import random
 
 import pytest
@@ -16,11 +18,11 @@ EOS = 99
 
 def create_scheduler(
     num_blocks=16, block_size=2, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
-    enable_prefix_caching=False, num_draft_slots=None,
+    enable_prefix_caching=False,
 ):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    return Scheduler(config, kv, max_model_len, *([num_draft_slots] if num_draft_slots else []))
+    return Scheduler(config, kv, max_model_len)
 
 
 def create_request(rid: str, prompt_len: int, max_tokens: int = 8, **kw) -> Request:
@@ -33,11 +35,23 @@ def fake_token(req: Request) -> int:
     return (sum(req.token_ids) * 31 + len(req.token_ids)) % 50
 
 
+def check_runner_tables(sched: Scheduler, out, tables: dict[str, list[int]]) -> None:
+    """Applies ``out``'s block changes to ``tables`` as the runner does (request id -> its
+    copy), and checks that each copy equals the scheduler's table."""
+    for s in out.scheduled:
+        table = tables.setdefault(s.request_id, [])
+        del table[s.block_start :]
+        table.extend(s.new_block_ids)
+        assert table == sched.kv.block_table(s.request_id), s.request_id
+
+
 def step(sched: Scheduler, tokens: dict[str, int] | None = None):
-    """schedule -> fake runner -> update; returns the SchedulerOutput."""
+    """schedule -> fake runner -> update; returns the SchedulerOutput. The fake runner
+    keeps its block tables from the per-step changes alone, as the real one does."""
     out = sched.schedule()
+    check_runner_tables(sched, out, sched.__dict__.setdefault("runner_tables", {}))
     sampled = {
-        s.request_id: [tokens[s.request_id] if tokens and s.request_id in tokens else fake_token(s.request)]
+        s.request_id: [tokens[s.request_id] if tokens and s.request_id in tokens else fake_token(sched.requests[s.request_id])]
         for s in out.scheduled
         if s.sample
     }
@@ -62,14 +76,16 @@ def test_prefill_then_decode_counts_and_block_tables():
     out = step(sched)
     assert counts(out) == {"a": (0, 5, True), "b": (0, 3, True)}
     s_a = out.scheduled[0]
-    assert s_a.token_ids == tuple(a.prompt_token_ids) and len(s_a.block_table) == 2
+    assert s_a.token_ids == tuple(a.prompt_token_ids) and (s_a.block_start, len(s_a.new_block_ids)) == (0, 2)
+    assert [n.request_id for n in out.new_requests] == ["a", "b"]  # sent whole once
     assert a.num_computed_tokens == 5 and a.num_tokens == 6 and a.status is RequestStatus.RUNNING
     out = step(sched)
     assert counts(out) == {"a": (5, 1, True), "b": (3, 1, True)}
     assert out.scheduled[0].token_ids == (a.token_ids[5],)  # the token sampled last step
-    assert len(out.scheduled[1].block_table) == 1  # b: 4 tokens fit in one block of 4
+    assert out.new_requests == () and out.scheduled[1].new_block_ids == ()  # b: 4 tokens fit in one block of 4
     out = step(sched)
-    assert len(out.scheduled[1].block_table) == 2  # b's 5th token opens its second block
+    b_block = sched.kv.block_table("b")[1]
+    assert (out.scheduled[1].block_start, out.scheduled[1].new_block_ids) == (1, (b_block,))  # b's 5th token opens its second block
     for r in (a, b):
         sched.finish(r, "abort")
     assert_all_free(sched)
@@ -121,8 +137,9 @@ def test_eos_stop_token_and_max_model_len_finish_and_free():
     assert by_eos.finish_reason == "stop" and by_eos.output_token_ids == [EOS]
     assert by_id.finish_reason == "stop" and by_id.output_token_ids == [7]
     assert not by_len.is_finished and not ignore.is_finished  # EOS ignored
+    assert set(sched.take_finished_ids()) == {"eos", "id"}  # handed to the release path once
+    assert sched.take_finished_ids() == []
     out = sched.schedule()
-    assert set(out.finished_ids) == {"eos", "id"}  # told to the runner once
     assert set(counts(out)) == {"len", "ignore"}
     sched.update(out, RunnerOutput({"len": [1], "ignore": [1]}))
     assert by_len.finish_reason == "length" and by_len.num_tokens == 8  # max_model_len
@@ -142,7 +159,7 @@ def test_abort_of_running_and_waiting_requests_frees_blocks():
     assert running.output_token_ids == [] and running.finish_reason == "abort"
     sched.finish(waiting, "abort")
     sched.finish(waiting, "abort")  # twice: a no-op
-    assert sched.schedule().finished_ids == ("run", "wait")
+    assert sched.take_finished_ids() == ["run", "wait"]
     assert_all_free(sched)
 
 
@@ -217,3 +234,29 @@ def test_random_workload_under_pressure_matches_unpressured(seed):
     assert preemptions > 0
     assert pressured == reference
     assert all(len(reference[rid]) == max_tokens for rid, _, max_tokens, _ in specs)
+
+
+def test_the_output_is_plain_data_and_pickles():
+    """No live Request crosses to the runner: every leaf of the output is a number, a string,
+    a bool or None, and the output survives pickling (it could cross a process)."""
+    sched = create_scheduler(block_size=4)
+    sched.add(create_request("a", 5, temperature=0.7, logit_bias={3: 1.0})), sched.add(create_request("b", 3))
+    for _ in range(3):
+        out = step(sched)
+        assert pickle.loads(pickle.dumps(out)) == out
+        assert {type(x) for x in leaves(out)} <= {int, float, str, bool, type(None)}
+
+
+def leaves(x):
+    if dataclasses.is_dataclass(x):
+        for f in dataclasses.fields(x):
+            yield from leaves(getattr(x, f.name))
+    elif isinstance(x, (tuple, list, frozenset, set)):
+        for y in x:
+            yield from leaves(y)
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield from leaves(k)
+            yield from leaves(v)
+    else:
+        yield x

@@ -109,14 +109,13 @@ def in_threads(fn, args_list: list) -> list:
 
 def leftover_state(engine: LLMEngine, serving=None) -> dict[str, int]:
     """Per-request state still held anywhere once every request has ended (all counts
-    must be 0): what a slow leak under load would be made of. The runner drops the
-    generators of ended requests at its next step, so those count only when the
-    scheduler has not queued them for that cleanup."""
-    cleanup = set(engine.scheduler._finished_ids)
+    must be 0): what a slow leak under load would be made of. Every end releases
+    everything at once (``LLMEngine._release``), so nothing waits for a later step."""
     held = {
         "scheduler.requests": len(engine.scheduler.requests),
         "kv block tables": len(engine.kv_manager._tables),
-        "runner.generators": len(set(engine.runner.generators) - cleanup),
+        "runner.requests": len(engine.runner.requests),
+        "runner.generators": len(engine.runner.generators),
     }
     if engine.policy is not None:
         held["policy.states"] = len(engine.policy.states)

@@ -40,7 +40,7 @@ def assert_4xx(r: httpx.Response, status: int = 400, param=...) -> dict:
 
 
 def vocab(live) -> int:
-    return live.serving.llm.model.config.vocab_size
+    return live.serving.engine.engine.model.config.vocab_size
 
 
 def test_prompt_token_ids_outside_the_vocabulary(live, http):

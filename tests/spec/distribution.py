@@ -117,9 +117,9 @@ class SpecCounts:
         engine.stat_loggers.append(self._log)
         execute = engine.runner.execute
 
-        def execute_and_count(out, drafts=None):
-            before = {s.request_id: s.request.num_output_tokens for s in out.scheduled}
-            result = execute(out, drafts)
+        def execute_and_count(out, *args):
+            before = {s.request_id: engine.scheduler.requests[s.request_id].num_output_tokens for s in out.scheduled}
+            result = execute(out, *args)
             for rid, k in result.num_drafted.items():
                 if result.num_accepted[rid] == k:
                     self.bonus[before[rid] + k] += 1  # the drafts took positions before .. before + k - 1

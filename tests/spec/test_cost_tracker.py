@@ -3,9 +3,9 @@
 import pytest
 
 from engine.config import SpeculativeConfig
-from engine.cost_tracker import ALPHA, CostTracker
+from engine.spec_decode.cost_tracker import ALPHA, CostTracker
 from engine.sampling_params import SamplingParams
-from engine.spec_policy import StepCosts
+from engine.spec_decode.policy import StepCosts
 
 START = StepCosts((1, 5, 17), (1.0, 1.2, 2.0), one_token_s=0.010)  # 10 ms, 12 ms, 20 ms
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import engine.runner
-from drafters.base import Drafter
+from engine.spec_decode.drafter import Drafter
 from drafters.draft_model import ModelDrafter, SamplingDrafter
 from drafters.ngram import NgramDrafter
 from engine import SamplingParams

@@ -1,4 +1,4 @@
-from drafters.base import DraftSlot
+from engine.spec_decode.drafter import DraftSlot
 from drafters.ngram import NgramDrafter, NgramIndex, ngram_draft
 from engine.request import Request
 from engine.sampling_params import SamplingParams

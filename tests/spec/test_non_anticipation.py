@@ -8,7 +8,7 @@ a given token, changes the output distribution, and the chi-square catches it.
 
 import torch
 
-from drafters.base import Draft, Drafter
+from engine.spec_decode.drafter import Draft, Drafter
 from drafters.draft_model import ModelDrafter
 from engine import SamplingParams
 from tests.spec.bigram import BigramLM, bigram_table, perturbed
@@ -33,14 +33,14 @@ def plans_and_drafts(engine, params: SamplingParams, n: int = 8):
     """Runs ``n`` requests; returns the per-step event log: ("plan", id, slots) from the
     policy, ("draft", id, slots given, drafts proposed, drafts verified) after the step."""
     events: list[list[tuple]] = []
-    plan = engine.scheduler.num_draft_slots
+    plan = engine.policy.plan
     propose, execute = engine.drafter.propose, engine.runner.execute
     proposed: dict[str, int] = {}
 
-    def planned(req):
-        g = plan(req)
-        events[-1].append(("plan", req.request_id, g))
-        return g
+    def planned(candidates, num_running):
+        out = plan(candidates, num_running)
+        events[-1].extend(("plan", rid, d.num_draft_slots) for rid, d in out.decisions.items())
+        return out
 
     def drafted(slots):
         drafts = propose(slots)
@@ -49,13 +49,13 @@ def plans_and_drafts(engine, params: SamplingParams, n: int = 8):
             events[-1].append(("draft", s.request.request_id, s.num_tokens))
         return drafts
 
-    def verified(out, drafts=None):
-        result = execute(out, drafts)
+    def verified(out, *args):
+        result = execute(out, *args)
         for rid, k in result.num_drafted.items():
             events[-1].append(("verified", rid, proposed.pop(rid), k))
         return result
 
-    engine.scheduler.num_draft_slots, engine.drafter.propose, engine.runner.execute = planned, drafted, verified
+    engine.policy.plan, engine.drafter.propose, engine.runner.execute = planned, drafted, verified
     for i in range(n):
         engine.add_request(f"r{i}", PROMPT, params)
     while engine.has_unfinished():

@@ -3,9 +3,16 @@
 import pytest
 
 from engine.config import SpeculativeConfig
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.spec_policy import ClassState, SpecPolicy, StepCosts, best_gamma, expected_tokens, speedup, survival
+from engine.spec_decode.policy import (
+    Candidate,
+    ClassState,
+    SpecPolicy,
+    StepCosts,
+    best_gamma,
+    expected_tokens,
+    speedup,
+    survival,
+)
 
 
 def test_reference_numbers():
@@ -23,90 +30,81 @@ def test_survival_of_conditional_rates():
     assert expected_tokens([0.5, 1.0, 0.5], 2) == 2.0
 
 
-def request() -> Request:
-    return Request("r", [1, 2, 3], SamplingParams(), frozenset())
+def slots(policy: SpecPolicy, rid: str = "r", klass: int | None = 0, num_running: int = 1) -> int:
+    """The plan's draft slots for one request (a pure query)."""
+    return policy.plan([Candidate(rid, klass)], num_running).num_draft_slots.get(rid, 0)
+
+
+def step(policy: SpecPolicy, rid: str = "r", accepted: int = 0, drafted: int | None = None, klass: int | None = 0) -> int:
+    """One engine step of one request: plan, verify ``drafted`` drafts (default: every slot)
+    of which ``accepted`` are kept, record, end the step. Returns the planned slots."""
+    d = policy.plan([Candidate(rid, klass)], 1).decisions[rid]
+    policy.record(rid, d, d.num_draft_slots if drafted is None else drafted, min(accepted, d.num_draft_slots))
+    policy.end_step()
+    return d.num_draft_slots
 
 
 def test_copying_raises_the_draft_length_and_misses_pause_drafting():
     policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=8), 0.0, StepCosts.linear(0.05))
-    req = request()
-    first = policy.num_draft_slots(req)
+    first = slots(policy)
     for _ in range(10):
-        policy.record(req, 8, 8)
-    assert policy.num_draft_slots(req) == 8 >= first
-    for _ in range(20):
-        policy.record(req, 8, 0)
-        policy.end_step()
-    assert policy.num_draft_slots(req) == 0 and policy.is_paused("r")
+        step(policy, accepted=8)
+    assert slots(policy) == 8 >= first
+    while step(policy, accepted=0):  # the step whose plan finds that drafts do not pay starts a pause
+        pass
+    assert slots(policy) == 0 and policy.is_paused("r")
     for _ in range(8):
         policy.end_step()
-    assert policy.num_draft_slots(req) > 0  # retries after the pause
+    assert slots(policy) > 0  # retries after the pause
 
 
-def test_opt_out_and_fixed_length():
-    req = Request("r", [1], SamplingParams(speculate=False), frozenset())
-    assert SpecPolicy(SpeculativeConfig(method="ngram"), 0.0, StepCosts.linear(0.05)).num_draft_slots(req) == 0
+def test_no_context_class_and_fixed_length():
+    assert slots(SpecPolicy(SpeculativeConfig(method="ngram"), 0.0, StepCosts.linear(0.05)), klass=None) == 0
     fixed = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False), 0.0, StepCosts.linear(9.0))
-    assert fixed.num_draft_slots(request()) == 3
+    assert slots(fixed) == 3
 
 
 def test_a_probe_after_a_pause_that_misses_pauses_again_at_once():
     policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 0.0, StepCosts.linear(0.05))
-    req = request()
-    while policy.num_draft_slots(req):
-        policy.record(req, 4, 0)
-        policy.end_step()
+    while step(policy, accepted=0) or not policy.is_paused("r"):
+        pass
     for _ in range(8):
         policy.end_step()
-    assert policy.num_draft_slots(req) > 0  # the probe
-    policy.record(req, 4, 0)
-    policy.end_step()
+    assert step(policy, accepted=0) > 0  # the probe, missed
     assert policy.is_paused("r") and policy.states["r"].classes[0].pause_len == 32
 
 
 def test_a_costly_drafter_probes_with_one_draft_and_one_lucky_hit_does_not_restart_it():
     # Drafts cost 0.4 of a step each and are right 10% of the time: they never pay.
     policy = SpecPolicy(SpeculativeConfig(method="early_exit", num_speculative_tokens=3), 0.4, StepCosts.linear(0.0))
-    req = request()
-    policy.num_draft_slots(req)
+    d = policy.plan([Candidate("r", 0)], 1).decisions["r"]
     for i in range(100):  # a long record over all requests of the class
-        policy.record(req, 1, int(i % 10 == 0))
+        policy.record("r", d, 1, int(i % 10 == 0))
         policy.end_step()
     assert policy.pooled[0].rates[0] < 0.2
     st = policy.states["r"].classes[0]
-    policy.num_draft_slots(req)
+    step(policy)
     while policy.is_paused("r"):
         policy.end_step()
-    assert st.probing and policy.num_draft_slots(req) == 1  # the probe: one draft, whatever the estimate
-    policy.record(req, 1, 1)  # it happens to be accepted ...
-    policy.end_step()
-    assert policy.num_draft_slots(req) == 0  # ... but the class's record still says drafts do not pay
-    assert st.paused_until == policy.step + 8  # and the hit shortened the pause: the next probe comes soon
+    assert st.probing and step(policy, accepted=1) == 1  # the probe: one draft, whatever the estimate; accepted ...
+    assert slots(policy) == 0  # ... but the class's record still says drafts do not pay
+    step(policy)
+    assert st.paused_until == policy.step - 1 + 8  # and the hit shortened the pause: the next probe comes soon
 
 
 def test_context_classes_keep_their_own_statistics_and_pool_across_requests():
-    klass = {"r": 1, "t": 3}
-    policy = SpecPolicy(
-        SpeculativeConfig(method="ngram", num_speculative_tokens=8), 0.0, StepCosts.linear(0.05),
-        context_class=lambda r: klass.get(r.request_id),
-    )
-    req = request()
+    policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=8), 0.0, StepCosts.linear(0.05))
     for _ in range(30):  # short matches miss ...
-        if policy.num_draft_slots(req):
-            policy.record(req, 8, 0)
-        policy.end_step()
-    assert policy.num_draft_slots(req) == 0 and policy.is_paused("r")
-    klass["r"] = 5  # ... a long match in the same request still drafts
-    assert policy.num_draft_slots(req) > 0 and not policy.is_paused("r")
+        step(policy, klass=1, accepted=0)
+    assert slots(policy, klass=1) == 0 and policy.is_paused("r")
+    # ... a long match in the same request still drafts
+    assert step(policy, klass=5, accepted=8) > 0 and not policy.is_paused("r")
     for _ in range(20):
-        policy.record(req, policy.num_draft_slots(req), 8)
-    assert policy.num_draft_slots(req) == 8
+        step(policy, klass=5, accepted=8)
+    assert slots(policy, klass=5) == 8
     # A new request starts from the rates pooled over earlier ones.
-    other = Request("s", [1], SamplingParams(), frozenset())
-    klass["s"] = 5
-    assert policy.num_draft_slots(other) >= 6 > policy.num_draft_slots(Request("t", [1], SamplingParams(), frozenset()))
-    klass["s"] = None  # the drafter has nothing to propose
-    assert policy.num_draft_slots(other) == 0 and not policy.is_paused("s")
+    assert slots(policy, "s", klass=5) >= 6 > slots(policy, "t", klass=3)
+    assert step(policy, "s", klass=None) == 0 and not policy.is_paused("s")  # the drafter has nothing to propose
 
 
 def test_a_nonlinear_cost_table_moves_the_choice():
@@ -114,7 +112,7 @@ def test_a_nonlinear_cost_table_moves_the_choice():
     cheap_then_steep = StepCosts((1, 5, 6, 9), (1.0, 1.0, 2.0, 2.0))  # 1-4 drafts free, then a step
     policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=8), 0.0, cheap_then_steep)
     policy.pooled[0] = ClassState(rates, tested=8)  # as if earlier requests had measured them
-    assert policy.num_draft_slots(request()) == 4  # free drafts up to 4, then a step that doubles the cost
+    assert slots(policy) == 4  # free drafts up to 4, then a step that doubles the cost
 
 
 def test_step_costs_interpolate_and_extrapolate():
@@ -128,7 +126,5 @@ def test_drafting_that_pays_alone_stops_in_a_compute_bound_batch():
     costs = StepCosts((1, 5, 17, 33), (1.0, 1.05, 2.0, 4.0))  # cheap extra tokens at batch 1, not at 16
     policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 0.0, costs)
     policy.pooled[0] = ClassState([0.6] * 4, tested=4)
-    policy.begin_step(1)
-    assert policy.num_draft_slots(request()) == 4
-    policy.begin_step(16)
-    assert policy.num_draft_slots(Request("s", [1], SamplingParams(), frozenset())) == 0
+    assert slots(policy, num_running=1) == 4
+    assert slots(policy, "s", num_running=16) == 0

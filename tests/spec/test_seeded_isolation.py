@@ -3,14 +3,15 @@ it or serves beside it, with the adaptive policy on: its draft lengths come
 from its own record only, so it draws the same random numbers. Without that
 isolation the same scenarios change its output (the tests have power)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from drafters.draft_model import ModelDrafter
 from engine import SamplingParams
 from engine.config import SpeculativeConfig
-from engine.request import Request
-from engine.spec_policy import PRIOR_ACCEPTANCE, ClassState, SpecPolicy, SpecState, StepCosts
+from engine.spec_decode.policy import PRIOR_ACCEPTANCE, Candidate, ClassState, SpecPolicy, StepCosts
 from tests.spec.bigram import BigramLM, bigram_table, perturbed
 from tests.spec.distribution import PROMPT, V, make_engine
 
@@ -36,8 +37,8 @@ def serve(e, requests: dict[str, SamplingParams]) -> dict[str, tuple[list[int], 
     rounds = {rid: [] for rid in requests}
     execute = e.runner.execute
 
-    def logged(out, drafts=None):
-        result = execute(out, drafts)
+    def logged(out, *args):
+        result = execute(out, *args)
         for rid, k in result.num_drafted.items():
             rounds[rid].append(k)
         return result
@@ -75,30 +76,32 @@ def test_a_seeded_request_ignores_what_was_served_before_and_beside_it():
 
 
 def test_without_isolation_the_same_history_changes_the_output(monkeypatch):
-    monkeypatch.setattr(SpecPolicy, "state", _shared_state)
+    monkeypatch.setattr(SpecPolicy, "_decide", _not_isolated(SpecPolicy._decide))
     alone, after, beside = seeded_after_traffic(BATCH_COSTS)
     assert after[1] != alone[1] and after[0] != alone[0]
     assert beside[0] != alone[0]
 
 
-def _shared_state(self, request) -> SpecState:
+def _not_isolated(decide):
     """The policy before isolation: every request starts from the pooled rates, priced in its batch."""
-    return self.states.setdefault(request.request_id, SpecState(isolated=False))
+    return lambda self, candidate, batch, rows: decide(self, dataclasses.replace(candidate, isolated=False), batch, rows)
 
 
 @pytest.mark.parametrize("seed", [None, 3])
 def test_isolation_is_for_seeded_requests_only(seed):
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
     policy = SpecPolicy(config, 0.05, BATCH_COSTS)
-    req = lambda rid: Request(rid, [1, 2], SamplingParams(seed=seed), frozenset())  # noqa: E731
-    alone = SpecPolicy(config, 0.05, BATCH_COSTS).num_draft_slots(req("a"))  # a fresh server, no history
+    def plan(p: SpecPolicy, rid: str, num_running: int = 1):
+        return p.plan([Candidate(rid, 0, isolated=seed is not None)], num_running).decisions[rid]
+
+    alone = plan(SpecPolicy(config, 0.05, BATCH_COSTS), "a").num_draft_slots  # a fresh server, no history
     policy.pooled[0] = ClassState([0.0] * 4, tested=4)  # earlier requests: every draft rejected
-    first = policy.num_draft_slots(req("b"))
+    first = plan(policy, "b")
     policy.pooled[0] = ClassState([0.9] * 4, tested=4)  # ... or nearly every draft accepted
-    policy.begin_step(16)
-    crowded = policy.num_draft_slots(req("c"))
+    crowded = plan(policy, "c", num_running=16).num_draft_slots
+    first, paused = first.num_draft_slots, first.pause
     if seed is None:  # the pooled rates and the batch both count
-        assert first == 0 and policy.is_paused("b")
+        assert first == 0 and paused
         assert crowded not in (0, alone)
     else:  # neither does: both choose as a request alone on a fresh server
         assert first == crowded == alone == 3

@@ -102,7 +102,7 @@ def test_greedy_fast_path_matches_the_general_rule():
 
 
 def test_a_batch_mixing_drafts_with_and_without_probs_gives_each_its_own_q():
-    from drafters.base import Draft
+    from engine.spec_decode.drafter import Draft
     from engine.runner import stack_draft_probs
 
     q_model = torch.tensor([[0.2, 0.6, 0.2], [0.1, 0.1, 0.8]])
@@ -117,7 +117,7 @@ def test_a_batch_mixing_drafts_with_and_without_probs_gives_each_its_own_q():
 
 def test_a_deterministic_draft_is_verified_alike_beside_a_sampled_one():
     """The deterministic row of a mixed batch accepts and recovers exactly as in a batch of its own."""
-    from drafters.base import Draft
+    from engine.spec_decode.drafter import Draft
     from engine.runner import stack_draft_probs
 
     p = torch.stack([torch.stack([P, P]), torch.stack([P, P])]).float()  # [2, 2, 3]

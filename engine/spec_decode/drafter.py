@@ -1,13 +1,17 @@
-"""The one interface every drafter implements, and the registry that builds them.
+"""The one interface every drafter implements, and the draft types it speaks.
 
-Per step the engine calls ``propose`` once, after scheduling, with the requests
-that have draft slots this step. After verification it calls ``commit`` with
+Drafters (the ``drafters`` package) import this module; the engine builds them
+through ``engine.spec_decode.registry`` and never imports one by name.
+
+Per step, before scheduling, the engine asks ``context_class`` of each decoding
+request (the policy plans the step's draft slots from it, see
+``engine.spec_decode.policy``); after scheduling it calls ``propose`` once with
+the requests that got draft slots. After verification it calls ``commit`` with
 each request's final token count, so a drafter with a KV cache of its own can
 roll back the entries of rejected drafts; ``free`` when a request ends.
 """
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,27 +58,3 @@ class Drafter(ABC):
 
     def free(self, request_id: str) -> None:
         """The request ended; drop everything held for it."""
-
-
-_REGISTRY: dict[str, Callable[..., Drafter]] = {}
-
-
-def register(name: str):
-    def deco(factory):
-        _REGISTRY[name] = factory
-        return factory
-
-    return deco
-
-
-def build_drafter(spec_config, **context) -> Drafter:
-    """The drafter named by ``spec_config.method``; ``context`` offers the target
-    model, device, dtype, cache sizing, ... to factories that need them."""
-    import drafters.draft_model  # noqa: F401 - registers draft_model
-    import drafters.early_exit  # noqa: F401 - registers early_exit
-    import drafters.ngram  # noqa: F401 - registers ngram
-
-    factory = _REGISTRY.get(spec_config.method)
-    if factory is None:
-        raise ValueError(f"unknown speculative method {spec_config.method!r}; known: {sorted(_REGISTRY)}")
-    return factory(spec_config, **context)

@@ -1,4 +1,6 @@
-"""Keeps the policy's step-cost table ``T(R)`` up to date from the steps the engine runs.
+"""The policy's step-cost table ``T(R)``: measured at start-up
+(``measure_step_costs``), then kept up to date from the steps the engine runs
+(``CostTracker``).
 
 The table is timed once at start-up, on an idle engine; a machine's state then
 drifts (other processes, memory bandwidth shared with neighbours, the event
@@ -18,8 +20,12 @@ steps already run: the plan of a step never depends on its own drafts.
 """
 
 import bisect
+import time
 
-from engine.spec_policy import StepCosts
+import torch
+
+from engine.attention import SeqSpec, build_attention_metadata
+from engine.spec_decode.policy import StepCosts
 
 ALPHA = 0.05  # weight of one observation
 MAX_RATIO = 2.0  # an observation counts at most as twice (or half) its prediction
@@ -52,3 +58,35 @@ class CostTracker:
             floor = max(floor, s / self.seconds[0])
             costs.append(floor)
         return StepCosts(self.rows, tuple(costs), one_token_s=self.seconds[0])
+
+
+@torch.inference_mode()
+def measure_step_costs(model, runner, max_rows: int, block_size: int, max_len: int, repeats: int = 6) -> StepCosts:
+    """``T(R)`` for ``R`` = 1, 2, 3, 5, 9, 17, 33, ... up to ``max_rows`` tokens in one pass.
+
+    Times passes of one request over ``R`` new tokens after 256 tokens of
+    context, with logits for every row as verification needs, in the (still
+    empty) KV cache. Call before serving.
+    """
+    device = runner.device
+    max_rows = max(2, min(max_rows, max_len - 1))
+    context = max(1, min(256, max_len - max_rows))
+    blocks = list(range(-(-(context + max_rows) // block_size)))
+    ids = torch.randint(0, model.config.vocab_size, (context + max_rows,), device=device)
+
+    def run(n: int) -> float:
+        meta = build_attention_metadata([SeqSpec(context, n, blocks)], block_size, device)
+        pos = torch.arange(context, context + n, device=device)
+        t = time.perf_counter()
+        model.compute_logits(model(ids[context : context + n], pos, meta, runner.kv)).argmax(-1)
+        return time.perf_counter() - t
+
+    meta = build_attention_metadata([SeqSpec(0, context, blocks)], block_size, device)
+    model(ids[:context], torch.arange(context, device=device), meta, runner.kv)
+    rows = sorted({r for r in (1, 2, 3, 5, 9, 17, 33, 65, 129, 257) if r < max_rows} | {max_rows})
+    # Interleaved, and the minimum of each: robust to other work on a shared machine.
+    times = [[run(r) for r in rows] for _ in range(repeats)]
+    best = [min(t[i] for t in times) for i in range(len(rows))]
+    # More rows never cost less: a slow outlier at some R is capped by the larger R after it.
+    costs = [max(1.0, min(best[i:]) / best[0]) for i in range(len(rows))]
+    return StepCosts(tuple(rows), tuple(costs), one_token_s=best[0])

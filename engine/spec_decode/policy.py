@@ -1,5 +1,18 @@
 """How many drafts each request gets this step: the speculation policy. No torch.
 
+A step's plan is a pure function of what was recorded before the step::
+
+    candidates = [Candidate(id, context class, isolated), ...]   # asked before scheduling
+    plan = policy.plan(candidates, num_running)                 # changes no state
+    scheduler.schedule(plan.num_draft_slots)                    # {request id: slots}
+    ... draft, verify ...
+    policy.record(id, plan.decisions[id], num_drafted, num_accepted)  # requests that ran
+    policy.end_step()
+
+Only ``record`` and ``end_step`` change the policy's state. A request planned but
+then not run (preempted, or out of budget) records nothing: its decision,
+a pause included, is simply made again at its next step.
+
 The decision uses only what is known before drafting (past acceptance, the
 measured costs, and a class of the request's committed context that the
 drafter names, such as prompt lookup's suffix-match length), never the drafted
@@ -42,11 +55,10 @@ randomness), however the random numbers are keyed.
 """
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.config import SpeculativeConfig
-from engine.request import Request
 
 PRIOR_ACCEPTANCE = 0.5  # acceptance assumed before a request has any history
 EMA = 0.3  # weight of the newest round in a request's acceptance estimate
@@ -165,76 +177,90 @@ class SpecState:
         }
 
 
-def _no_classes(request: Request) -> int:
-    return 0
+@dataclass(frozen=True)
+class Candidate:
+    """A decoding request the policy plans for: plain data, asked of the drafter before scheduling."""
+
+    request_id: str
+    context_class: int | None  # the drafter's class of its committed context; None: nothing to propose
+    isolated: bool = False  # seeded: its own record only, priced as if alone (see the module docstring)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The plan for one request; ``record`` applies it once the request has run."""
+
+    num_draft_slots: int
+    context_class: int | None
+    pause: bool = False  # drafts do not pay: the class stops drafting for a while
+    isolated: bool = False  # the candidate's ``isolated``
+    # The class record to start from when the request has none yet (the pooled rates as
+    # they were at planning time); None when it has one.
+    fresh: ClassState | None = None
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    decisions: dict[str, Decision]
+
+    @property
+    def num_draft_slots(self) -> dict[str, int]:
+        """Request id -> draft slots, for the requests that draft: what the scheduler takes."""
+        return {rid: d.num_draft_slots for rid, d in self.decisions.items() if d.num_draft_slots}
 
 
 class SpecPolicy:
-    """``step_costs``: ``T(R)`` of the target. ``context_class(request)``: the drafter's
-    class of the committed context (an int), or None when it has nothing to propose.
-    Call ``begin_step(n)`` with the number of decoding requests before scheduling."""
+    """``step_costs``: ``T(R)`` of the target; ``draft_cost``: the drafter's cost per token."""
 
-    def __init__(
-        self,
-        config: SpeculativeConfig,
-        draft_cost: float,
-        step_costs: StepCosts,
-        context_class: Callable[[Request], int | None] = _no_classes,
-    ):
+    def __init__(self, config: SpeculativeConfig, draft_cost: float, step_costs: StepCosts):
         self.config = config
         self.c = draft_cost
         self.step_costs = step_costs
-        self.context_class = context_class
-        self.batch = self.rows = 1  # decoding requests in this step; tokens so far, drafts included
         self.step = 0
         self.states: dict[str, SpecState] = {}
         self.pooled: dict[int, ClassState] = {}  # class -> rates over all requests
 
-    def state(self, request: Request) -> SpecState:
-        st = self.states.get(request.request_id)
-        if st is None:
-            st = self.states[request.request_id] = SpecState(isolated=request.params.seed is not None)
-        return st
-
-    def begin_step(self, num_decoding: int) -> None:
-        """A step with ``num_decoding`` requests decoding starts; drafts granted in it add up."""
-        self.batch = self.rows = max(1, num_decoding)
-
-    def verify_cost(self, g: int, alone: bool = False) -> float:
-        """``V(g)`` for the next request of this step, the drafts granted before it counted;
-        ``alone``: as if the request were the only one (batch 1)."""
-        return self.step_costs.verify(g, 1, 1) if alone else self.step_costs.verify(g, self.batch, self.rows)
+    def verify_cost(self, g: int, batch: int, rows: int, alone: bool = False) -> float:
+        """``V(g)`` for a request of a step with ``batch`` decoding requests and ``rows``
+        tokens so far (the drafts granted before it counted); ``alone``: as if at batch 1."""
+        return self.step_costs.verify(g, 1, 1) if alone else self.step_costs.verify(g, batch, rows)
 
     def gain(self, rates: list[float], g: int, costs: list[float]) -> float:
         """Tokens per step of cost with ``g`` drafts at conditional ``rates``; ``costs[g]`` = V(g)."""
         return expected_tokens(rates, g) / (costs[g] + g * self.c)
 
-    def num_draft_slots(self, request: Request) -> int:
-        """Drafts to verify for ``request`` this step (0: plain decoding)."""
-        if not request.params.speculate:
-            return 0
-        k = self.config.num_speculative_tokens
-        key = self.context_class(request)
-        st = self.state(request)
-        st.last_class = key
+    def plan(self, candidates: Sequence[Candidate], num_running: int) -> StepPlan:
+        """Draft slots for each candidate (0: plain decoding), in order, with
+        ``num_running`` requests in the step. Pure: reads the records, changes nothing."""
+        batch = rows = max(1, num_running)
+        decisions = {}
+        for c in candidates:
+            d = self._decide(c, batch, rows)
+            rows += d.num_draft_slots
+            decisions[c.request_id] = d
+        return StepPlan(decisions)
+
+    def _decide(self, c: Candidate, batch: int, rows: int) -> Decision:
+        key, alone = c.context_class, c.isolated
         if key is None:
-            return 0
+            return Decision(0, None, isolated=alone)
+        k = self.config.num_speculative_tokens
+        st = self.states.get(c.request_id)
+        cs = st.classes.get(key) if st is not None else None
+        fresh = None if cs is not None else self._fresh(key, alone)
         if not self.config.adaptive:
-            return k
-        cs = st.classes.get(key)
-        if cs is None:
-            cs = st.classes[key] = self._fresh(key, st.isolated)
+            return Decision(k, key, isolated=alone, fresh=fresh)
+        cs = cs or fresh
         if self.step < cs.paused_until:
-            return 0
-        rates, costs = cs.estimate(), [self.verify_cost(g, st.isolated) for g in range(k + 1)]
+            return Decision(0, key, isolated=alone)
+        rates = cs.estimate()
+        costs = [self.verify_cost(g, batch, rows, alone) for g in range(k + 1)]
         gamma = max(range(1, k + 1), key=lambda g: (self.gain(rates, g, costs), -g))
         if self.gain(rates, gamma, costs) < 1.0:
             if not cs.probing:
-                self._pause(cs, key, st.isolated)
-                return 0
+                return Decision(0, key, pause=True, isolated=alone, fresh=fresh)
             gamma = 1  # a probe after a pause: the cheapest test of whether drafts pay again
-        self.rows += gamma
-        return gamma
+        return Decision(gamma, key, isolated=alone, fresh=fresh)
 
     def _fresh(self, key: int, isolated: bool) -> ClassState:
         """A request's first record of a class: the pooled one's rates, else (or when
@@ -258,18 +284,25 @@ class SpecPolicy:
         cs = st.classes.get(st.last_class) if st is not None else None
         return cs is not None and self.step < cs.paused_until
 
-    def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
-        """After verification: ``num_accepted`` of ``num_drafted`` drafts were kept."""
-        st = self.states.get(request.request_id)
-        if num_drafted == 0 or st is None or st.last_class is None:
+    def record(self, request_id: str, decision: Decision, num_drafted: int, num_accepted: int) -> None:
+        """After verification of a request that ran with ``decision``: ``num_accepted``
+        of ``num_drafted`` drafts were kept. The only place a request's record changes."""
+        st = self.states.get(request_id)
+        if st is None:
+            st = self.states[request_id] = SpecState(isolated=decision.isolated)
+        key = st.last_class = decision.context_class
+        if key is None:
+            return
+        cs = st.classes.get(key)
+        if cs is None:
+            cs = st.classes[key] = decision.fresh or self._fresh(key, st.isolated)
+        if decision.pause:
+            self._pause(cs, key, st.isolated)
+        if num_drafted == 0:
             return
         st.num_drafts += 1
         st.num_draft_tokens += num_drafted
         st.num_accepted_tokens += num_accepted
-        key = st.last_class
-        cs = st.classes.get(key)
-        if cs is None:
-            cs = st.classes[key] = self._fresh(key, st.isolated)
         cs.update(num_drafted, num_accepted, EMA)
         pooled = self.pooled.setdefault(key, ClassState([PRIOR_ACCEPTANCE] * self.config.num_speculative_tokens))
         pooled.update(num_drafted, num_accepted, POOLED_EMA)

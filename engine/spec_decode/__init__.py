@@ -1,0 +1,10 @@
+"""Speculative decoding's one home: what the engine knows of speculation.
+
+- ``drafter``: the draft types (``DraftSlot``, ``Draft``) and the ``Drafter`` interface;
+- ``registry``: the one mapping from a method name to its drafter's factory;
+- ``policy``: how many drafts each request verifies in a step (``SpecPolicy``);
+- ``cost_tracker``: the step-cost table ``T(R)`` the policy prices drafts with.
+
+Concrete drafters live in the top-level ``drafters`` package and import these
+modules; nothing here imports a concrete drafter except the registry, lazily.
+"""

@@ -1,0 +1,77 @@
+"""Dependencies point one way: no import cycle between the top-level packages, and
+the engine reaches concrete drafters only through the registry's mapping."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("api", "server", "engine", "kvcache", "drafters")
+
+
+def imported_packages(path: Path) -> set[str]:
+    """Top-level packages of this project that ``path`` imports anywhere (functions included)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        out |= {n.split(".")[0] for n in names} & set(PACKAGES)
+    return out
+
+
+def package_graph() -> dict[str, set[str]]:
+    graph = {p: set() for p in PACKAGES}
+    for p in PACKAGES:
+        for path in (ROOT / p).rglob("*.py"):
+            graph[p] |= imported_packages(path) - {p}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of the directed graph as a path, or None (depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path + [node, nxt]
+            if nxt not in state and (cycle := visit(nxt, path + [node])):
+                return cycle
+        state[node] = 2
+        return None
+
+    return next((c for n in sorted(graph) if n not in state and (c := visit(n, [])) is not None), None)
+
+
+def test_no_cycle_between_top_level_packages():
+    graph = package_graph()
+    assert "engine" in graph["drafters"]  # drafters import the speculation interfaces
+    assert "drafters" not in graph["engine"], "the engine names drafters only as strings in its registry"
+    assert find_cycle(graph) is None, find_cycle(graph)
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_registry_is_the_only_way_from_the_engine_to_a_drafter():
+    """In a fresh interpreter, importing the whole engine loads no drafter; building one
+    by its registry name does."""
+    code = (
+        "import sys, engine, engine.llm_engine, engine.async_engine, engine.spec_decode.registry as r\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'drafters'], 'drafters loaded'\n"
+        "from engine.config import SpeculativeConfig\n"
+        "d = r.build_drafter(SpeculativeConfig(method='ngram'))\n"
+        "assert type(d).__module__ == 'drafters.ngram'\n"
+        "for name, target in r.DRAFTERS.items():\n"
+        "    module, factory = target.split(':')\n"
+        "    assert callable(getattr(__import__(module, fromlist=[factory]), factory)), name\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)

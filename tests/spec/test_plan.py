@@ -1,0 +1,46 @@
+"""The speculation plan of a step is a pure function of what was recorded before it:
+planning twice gives the same plan and changes no policy state; state changes only
+when a request that ran is recorded."""
+
+import copy
+
+from engine import SamplingParams
+from engine.config import SpeculativeConfig
+from engine.llm_engine import LLMEngine
+from engine.spec_decode.policy import Candidate, ClassState, SpecPolicy, StepCosts
+from tests.conftest import engine_config
+
+
+def policy_state(policy: SpecPolicy):
+    return copy.deepcopy((policy.states, policy.pooled, policy.step, policy.step_costs))
+
+
+def test_planning_twice_mid_run_gives_the_same_plan_and_changes_nothing(tiny_model):
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, verify_cost=0.05)
+    engine = LLMEngine(engine_config(256, speculative=spec, enable_prefix_caching=False), model=tiny_model(vocab_size=64))
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3], [5, 6, 5, 6, 5, 6, 5], [7, 8, 9, 10, 11]]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    plans = 0
+    while engine.has_unfinished():
+        before = policy_state(engine.policy)
+        first, second = engine._plan(), engine._plan()
+        assert first == second
+        assert policy_state(engine.policy) == before
+        plans += bool(first.num_draft_slots)
+        engine.step()
+    assert plans > 3 and engine.policy.states == {}  # it did plan drafts; every record freed at the end
+
+
+def test_a_plan_that_is_not_run_leaves_no_trace():
+    """A request planned, then preempted before it ran, is not recorded: its pause is decided
+    again at its next step, from the same records."""
+    policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 0.0, StepCosts.linear(0.05))
+    policy.pooled[0] = ClassState([0.0] * 4, tested=4)  # drafts never pay: the plan pauses
+    d = policy.plan([Candidate("r", 0)], 1).decisions["r"]
+    assert d.pause and d.num_draft_slots == 0
+    policy.end_step()  # "r" was preempted: nothing recorded
+    assert "r" not in policy.states and not policy.is_paused("r")
+    d = policy.plan([Candidate("r", 0)], 1).decisions["r"]
+    policy.record("r", d, 0, 0)
+    assert policy.is_paused("r") and policy.states["r"].classes[0].paused_until == 1 + 8
