@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, replace
 
 from engine.distributed.group import host_store, make_group
-from engine.distributed.messages import LoadFailed, Ready, Shutdown, WorkerInit
+from engine.distributed.messages import Joining, LoadFailed, Ready, Shutdown, WorkerInit
 from engine.distributed.worker import worker_main
 from engine.parallel import TPGroup
 
@@ -61,13 +61,19 @@ class TPWorkers:
             theirs.close()
             self.workers.append(_Worker(rank, proc, ours, beat))
         try:
+            self._expect(Joining)
             self.group: TPGroup = make_group(self._store, 0, init.world_size, init.backend, init.collective_timeout_s)
         except BaseException:
             self.shutdown()
             raise
 
     def wait_ready(self) -> None:
-        """Waits until every worker has loaded its shard; raises what a worker reports."""
+        """Waits until every worker has loaded its shard, then starts the watchdog."""
+        self._expect(Ready)
+        threading.Thread(target=self._watch, name="specserve-tp-watchdog", daemon=True).start()
+
+    def _expect(self, kind: type) -> None:
+        """Waits for a ``kind`` message from every worker; raises what a worker reports instead."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         for w in self.workers:
             while not w.conn.poll(WATCH_S):
@@ -76,8 +82,8 @@ class TPWorkers:
             msg = w.conn.recv()
             if isinstance(msg, LoadFailed):
                 raise WorkerFailure(f"tensor-parallel worker rank {w.rank} failed to start:\n{msg.error}")
-            assert isinstance(msg, Ready), msg
-        threading.Thread(target=self._watch, name="specserve-tp-watchdog", daemon=True).start()
+            if not isinstance(msg, kind):
+                raise WorkerFailure(f"tensor-parallel worker rank {w.rank} sent {msg!r}, expected {kind.__name__}")
 
     def send(self, msg) -> None:
         """Sends one message to every worker; raises WorkerFailure when the group has failed."""

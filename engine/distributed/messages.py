@@ -3,7 +3,7 @@
 Rank 0 sends each worker one message per model call over its pipe (pickled
 plain data: numpy arrays, ``SeqSpec``s, numbers); the activations then meet in
 the collectives inside the layers (``engine.parallel``). A worker answers only
-once, at start-up (``Ready`` or ``LoadFailed``).
+at start-up (``Joining``, then ``Ready`` or ``LoadFailed``).
 """
 
 from dataclasses import dataclass
@@ -58,6 +58,14 @@ class ComputeLogits:
 @dataclass(frozen=True)
 class Shutdown:
     """Leave the loop and exit."""
+
+
+@dataclass(frozen=True)
+class Joining:
+    """Worker -> rank 0: imports done, joining the group now (rank 0 joins once all are here,
+    so a slow start does not count against the group's timeout)."""
+
+    rank: int
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,9 @@ import torch
 
 from engine.attention import build_attention_metadata
 from engine.distributed.group import join_store, make_group
-from engine.distributed.messages import AllocateKV, ComputeLogits, ForwardStep, LoadFailed, Ready, Shutdown, WorkerInit
+from engine.distributed.messages import (
+    AllocateKV, ComputeLogits, ForwardStep, Joining, LoadFailed, Ready, Shutdown, WorkerInit,
+)
 from engine.loader import load_model
 from kvcache.tensors import KVSpec, PagedKV
 
@@ -34,6 +36,7 @@ def worker_main(init: WorkerInit, conn, heartbeat) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides
     torch.set_num_threads(init.num_threads)
     threading.Thread(target=_beat, args=(heartbeat,), name="specserve-heartbeat", daemon=True).start()
+    conn.send(Joining(init.rank))
     try:
         store = join_store(init.store_port, init.world_size, init.collective_timeout_s)
         tp = make_group(store, init.rank, init.world_size, init.backend, init.collective_timeout_s)

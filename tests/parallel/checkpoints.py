@@ -12,6 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
+from engine.model_store import fetch_default_model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 # Uneven on purpose: 3 KV heads (each with 2 query heads) split 2 + 1 over two ranks, as SmolLM2's.
 TINY = dict(
@@ -24,7 +27,8 @@ TINY = dict(
 def save_random_llama(out: Path, seed: int = 0, std: dict | None = None, **overrides) -> Path:
     """A Hugging Face Llama checkpoint with seeded random weights: norms 1, embedding and
     head std 1 (logits of order ten, far from ties), other matrices std 1/sqrt(fan_in)
-    unless ``std`` maps a name fragment to another std."""
+    unless ``std`` maps a name fragment to another std. It borrows the default model's
+    tokenizer (only ids below its vocabulary size ever reach it)."""
     config = LlamaConfig(**{**TINY, **overrides})
     model = LlamaForCausalLM(config)
     gen = torch.Generator().manual_seed(seed)
@@ -40,7 +44,14 @@ def save_random_llama(out: Path, seed: int = 0, std: dict | None = None, **overr
             else:
                 p.normal_(0.0, p.shape[1] ** -0.5, generator=gen)
     model.save_pretrained(out, safe_serialization=True)
+    copy_tokenizer(fetch_default_model(), out)
     return out
+
+
+def copy_tokenizer(src: Path, out: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
 
 
 def save_first_layers(src: Path, out: Path, num_layers: int) -> Path:
@@ -56,9 +67,7 @@ def save_first_layers(src: Path, out: Path, num_layers: int) -> Path:
                 if not n.startswith("model.layers.") or int(n.split(".")[2]) < num_layers:
                     keep[n] = st.get_tensor(n)
     save_file(keep, str(out / "model.safetensors"))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (src / name).exists():
-            shutil.copy(src / name, out / name)
+    copy_tokenizer(src, out)
     return out
 
 

@@ -108,3 +108,13 @@ def test_sizes_the_model_cannot_take_fail_clearly():
         check_parallel(LlamaConfig(**{**TINY, "vocab_size": 515}), 2, CPU)
     with pytest.raises(ValueError, match="at least 1"):
         ParallelConfig(tensor_parallel_size=0)
+
+
+def test_tensor_parallel_size_flag_and_environment(monkeypatch):
+    from tests.server.test_settings_cli import settings_from
+
+    monkeypatch.setenv("SPECSERVE_TENSOR_PARALLEL_SIZE", "3")
+    assert settings_from([]).engine_config().parallel == ParallelConfig(tensor_parallel_size=3)
+    assert settings_from(["--tensor-parallel-size", "2"]).engine_config().parallel.tensor_parallel_size == 2
+    with pytest.raises(Exception, match="greater than or equal to 1"):
+        settings_from(["--tensor-parallel-size", "0"])
