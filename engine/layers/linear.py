@@ -90,7 +90,7 @@ class ColumnParallelLinear(PackedLinear):
     stacked logical matrix, split evenly; or ``parts``: this rank's ``(start, size)``
     rows of each (uneven splits, e.g. attention heads)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], tp: TPGroup = SINGLE, parts=None):
+    def __init__(self, in_features: int, out_sizes: list[int] | None, tp: TPGroup = SINGLE, parts=None):
         super().__init__()
         self.tp = tp
         if parts is None:
@@ -113,16 +113,16 @@ class ColumnParallelLinear(PackedLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """Q, K and V projections in one matmul; shard ids "q", "k", "v".
 
-    Ranks take whole KV heads with their groups of query heads (``kv_heads``: this
-    rank's ``(first KV head, count)``), so a model whose KV heads do not divide by
-    the tensor-parallel size still splits: 3 KV heads over 2 ranks -> 2 and 1."""
+    Ranks take whole KV heads with their groups of query heads (``TPGroup.split``),
+    so a model whose KV heads do not divide by the tensor-parallel size still
+    splits: 3 KV heads over 2 ranks -> 2 and 1 (SmolLM2: 6 and 3 query heads)."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: TPGroup = SINGLE):
         kv_start, kv_count = tp.split(num_kv_heads, "num_key_value_heads")
         group = num_heads // num_kv_heads  # query heads per KV head
         q = (kv_start * group * head_dim, kv_count * group * head_dim)
         kv = (kv_start * head_dim, kv_count * head_dim)
-        super().__init__(hidden, [], tp, parts=[q, kv, kv])
+        super().__init__(hidden, None, tp, parts=[q, kv, kv])
 
     def load(self, shard_id, full) -> None:
         super().load("qkv".index(shard_id), full)

@@ -67,7 +67,7 @@ class LlamaMLP(nn.Module):
         if getattr(config, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported")
         part = tp.split(config.intermediate_size, "intermediate_size")  # this rank's (first unit, units)
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [], tp, parts=[part, part])
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, None, tp, parts=[part, part])
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp, part)
 
     def forward(self, x):

@@ -71,10 +71,15 @@ def save_first_layers(src: Path, out: Path, num_layers: int) -> Path:
     return out
 
 
-def tp_engine(path: Path, tp: int, tokenizer=None, speculative=None, parallel=None, **cache) -> LLMEngine:
+def tp_engine(
+    path: Path, tp: int, tokenizer=None, speculative=None, parallel=None, num_threads=None, **cache
+) -> LLMEngine:
     """An engine on the checkpoint at ``path``, split ``tp`` ways (float32, CPU)."""
     config = EngineConfig(
-        ModelConfig(model=str(path), dtype="float32", device="cpu", max_model_len=cache.pop("max_model_len", 256)),
+        ModelConfig(
+            model=str(path), dtype="float32", device="cpu", max_model_len=cache.pop("max_model_len", 256),
+            num_threads=num_threads,
+        ),
         CacheConfig(block_size=16, num_blocks=cache.pop("num_blocks", 256), **cache),
         SchedulerConfig(),
         speculative or SpeculativeConfig(),
