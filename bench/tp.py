@@ -59,7 +59,8 @@ def main() -> None:
         "all-gather per step, transfer and wait for the other rank together (2 all-reduces per layer, 1 for "
         "the embedding, 1 all-gather of the logits). At tp=2 each rank has half of the 2 cores.\n"
     )
-    path = write_report("tp", "Tensor parallelism: tp=1 vs tp=2", body, f"python -m bench.tp --new-tokens {args.new_tokens}")
+    command = f"python -m bench.tp --new-tokens {args.new_tokens}"
+    path = write_report("tp", "Tensor parallelism: tp=1 vs tp=2", body, command)
     print(path.read_text())
 
 

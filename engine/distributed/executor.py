@@ -78,7 +78,8 @@ class TPWorkers:
         for w in self.workers:
             while not w.conn.poll(WATCH_S):
                 if not w.process.is_alive() or time.monotonic() > deadline:
-                    raise WorkerFailure(f"tensor-parallel worker rank {w.rank} did not start (exit code {w.process.exitcode})")
+                    code = w.process.exitcode
+                    raise WorkerFailure(f"tensor-parallel worker rank {w.rank} did not start (exit code {code})")
             msg = w.conn.recv()
             if isinstance(msg, LoadFailed):
                 raise WorkerFailure(f"tensor-parallel worker rank {w.rank} failed to start:\n{msg.error}")

@@ -14,7 +14,8 @@ HOST = "127.0.0.1"
 
 def host_store(world_size: int, timeout_s: float) -> dist.TCPStore:
     """Rank 0's store, on a free port (``store.port``)."""
-    return dist.TCPStore(HOST, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    timeout = timedelta(seconds=timeout_s)
+    return dist.TCPStore(HOST, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
 
 
 def join_store(port: int, world_size: int, timeout_s: float) -> dist.TCPStore:

@@ -79,14 +79,17 @@ def prompt_logits(model, kv, prompt: list[int]) -> torch.Tensor:
 def test_logits_and_plain_greedy_match_size_one(which, request, tokenizer):
     path, _ = request.getfixturevalue(which)
     prompts = TINY_PROMPTS if which == "tiny" else [tokenizer.encode(p) for p in TEXT_PROMPTS]
-    # One thread per rank on both sides: the same kernels, so what differs is only the split
-    # (partial sums added by the all-reduce): about 6e-5 at most over SmolLM2's 30 layers.
+    # One thread per rank on both sides. What differs is float32 rounding of the split's partial
+    # sums: on SmolLM2 (30 layers, logits up to ~30) the largest of 15 x 49152 logits moved by
+    # 1.0e-4, the mean by ~1e-5; a wrong shard moves them by whole units.
     whole = tp_engine(path, 1, tokenizer, num_threads=1, enable_prefix_caching=False)
     split = tp_engine(path, 2, tokenizer, num_threads=1, enable_prefix_caching=False)
     try:
         ref = prompt_logits(whole.model, whole.paged_kv, prompts[0])
         got = prompt_logits(split.model, split.paged_kv, prompts[0])
-        assert (got - ref).abs().max().item() < 1e-4
+        diff = (got - ref).abs()  # [len(prompt), vocab]
+        assert diff.max().item() < (1e-4 if which == "tiny" else 2e-4)
+        assert diff.mean().item() < 2e-5
         assert greedy_ids(split, prompts) == greedy_ids(whole, prompts)
         assert split.paged_kv.spec.num_kv_heads == 2  # rank 0's shard: 2 of the 3 KV heads
     finally:
