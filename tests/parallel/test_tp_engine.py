@@ -10,7 +10,7 @@ import torch
 
 from engine.attention import SeqSpec, build_attention_metadata
 from engine.config import SpeculativeConfig
-from engine.loader import load_model, load_tokenizer
+from engine.loader import load_tokenizer
 from engine.model_store import fetch_default_model
 from engine.sampling_params import SamplingParams
 from tests.conftest import check_no_lost_blocks
