@@ -11,6 +11,7 @@ is expected; the point is the overhead. Writes bench/results/tp.md.
 """
 
 import argparse
+import os
 import time
 
 from bench.common import chat_prompts, markdown_table, render_chat, write_report
@@ -57,7 +58,9 @@ def main() -> None:
         markdown_table(header, rows)
         + "\n\nSmolLM2-135M-Instruct, float32, CPU, gloo. Collectives: the time rank 0 waits in all-reduce and "
         "all-gather per step, transfer and wait for the other rank together (2 all-reduces per layer, 1 for "
-        "the embedding, 1 all-gather of the logits). At tp=2 each rank has half of the 2 cores.\n"
+        "the embedding, 1 all-gather of the logits). Threads per rank: the cores divided by tp. "
+        f"Load average when it ended: {os.getloadavg()[0]:.1f} (other jobs on the machine make the figures "
+        "indicative only).\n"
     )
     command = f"python -m bench.tp --new-tokens {args.new_tokens}"
     path = write_report("tp", "Tensor parallelism: tp=1 vs tp=2", body, command)
