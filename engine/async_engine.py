@@ -132,6 +132,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
+                self.engine.check_health()  # a dead tensor-parallel worker ends the loop: the server answers 503
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
                     self._wakeup.wait(0.5)

@@ -1,5 +1,6 @@
 """Typed, frozen engine configuration, split by concern and validated once."""
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -52,11 +53,34 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: ``tensor_parallel_size`` processes, each holding a shard of
+    the target model and of its KV cache (``engine.distributed``)."""
+
+    tensor_parallel_size: int = 1
+    collective_timeout_s: float = 60.0  # a collective waiting longer fails the step (a hung rank)
+    heartbeat_timeout_s: float = 10.0  # a worker silent this long is declared hung
+
+    def __post_init__(self):
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.collective_timeout_s <= 0 or self.heartbeat_timeout_s <= 0:
+            raise ValueError("collective_timeout_s and heartbeat_timeout_s must be positive")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: "SpeculativeConfig" = field(default_factory=lambda: SpeculativeConfig())
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def threads_per_rank(self) -> int:
+        """CPU threads each tensor-parallel rank gives torch: ``num_threads`` when set,
+        else the cores shared out between the ranks (at least one each)."""
+        cores = os.cpu_count() or 1
+        return self.model.num_threads or max(1, cores // self.parallel.tensor_parallel_size)
 
 
 @dataclass(frozen=True)

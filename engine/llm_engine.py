@@ -13,14 +13,14 @@ drafter's, the policy's record.
 """
 
 import logging
-import os
 import time
 
 import torch
 
 from engine.config import EngineConfig
+from engine.distributed import TensorParallelModel, load_target
 from engine.faults import FaultHook
-from engine.loader import load_config, load_model, load_tokenizer
+from engine.loader import load_config, load_tokenizer
 from engine.model_store import resolve_model
 from engine.models.llama import head_dim_of
 from engine.outputs import RequestOutput
@@ -48,22 +48,22 @@ class LLMEngine:
         self.config = config
         device, dtype = config.model.torch_device(), config.model.torch_dtype()
         if device.type == "cpu":
-            torch.set_num_threads(config.model.num_threads or os.cpu_count() or 1)
+            torch.set_num_threads(config.threads_per_rank())
         if model is None:
             path = resolve_model(config.model.model)
             hf_config = load_config(path)
             max_len = config.model.max_model_len or hf_config.max_position_embeddings
-            model = load_model(path, dtype, device, max_positions=max_len)
+            model = load_target(path, config, dtype, device, max_len)  # rank 0's shard at tensor_parallel_size > 1
             tokenizer = tokenizer or load_tokenizer(path)
             self.model_path = str(path)
         else:
             self.model_path = "<in-memory>"
         self.model, self.tokenizer = model, tokenizer
+        self.tp_workers = model.workers if isinstance(model, TensorParallelModel) else None
         hf_config = model.config
         self.max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
-        spec = KVSpec(
-            hf_config.num_hidden_layers, hf_config.num_key_value_heads, head_dim_of(hf_config), config.cache.block_size, dtype
-        )
+        kv_heads = model.layers[0].self_attn.num_kv_heads  # this rank's (all of them at tensor_parallel_size 1)
+        spec = KVSpec(hf_config.num_hidden_layers, kv_heads, head_dim_of(hf_config), config.cache.block_size, dtype)
         num_blocks = config.cache.num_blocks or spec.num_blocks_for(config.cache.memory_bytes)
         if num_blocks < blocks_needed(self.max_model_len, spec.block_size):
             raise ValueError(
@@ -176,6 +176,16 @@ class LLMEngine:
                 self.drafter.free(rid)
             if self.policy is not None:
                 self.policy.free(rid)
+
+    def check_health(self) -> None:
+        """Raises ``WorkerFailure`` once a tensor-parallel worker has died or hung."""
+        if self.tp_workers is not None:
+            self.tp_workers.check()
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any (the engine cannot step afterwards)."""
+        if self.tp_workers is not None:
+            self.tp_workers.shutdown()
 
     def _speculation(self, config: EngineConfig, num_blocks: int, spec: KVSpec, device, dtype, drafter=None):
         sc = config.speculative

@@ -1,6 +1,12 @@
 """Builds our model from a local checkpoint: safetensors directory or GGUF file.
 
-Weights are read only through safetensors or GGUF, never through pickle.
+Weights are read only through safetensors or GGUF, never through pickle. Under
+tensor parallelism each rank loads only its shard: from safetensors every layer
+slices the memory-mapped file lazily (``get_slice``), so a rank reads its own
+rows and columns and never holds the full model. A GGUF file has no such lazy
+slices here: transformers dequantizes the whole checkpoint on every rank, which
+then keeps only its shard (convert the model to safetensors to avoid it, as
+``engine.model_store`` does for the default model).
 """
 
 from pathlib import Path
@@ -27,7 +33,8 @@ def load_tokenizer(path: Path):
 
 
 def _checkpoint_tensors(path: Path):
-    """Yields ``(hf_name, tensor)`` pairs of a checkpoint."""
+    """Yields ``(hf_name, tensor)`` pairs of a checkpoint; from safetensors the
+    "tensor" is a lazy slice that reads only the part indexed (``t[a:b]``, ``t[:, a:b]``)."""
     if path.suffix == ".gguf":
         from transformers import AutoModelForCausalLM
 
@@ -42,7 +49,7 @@ def _checkpoint_tensors(path: Path):
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
-                yield name, st.get_tensor(name)
+                yield name, st.get_slice(name)
 
 
 def load_model(

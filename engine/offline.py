@@ -2,7 +2,7 @@
 
 import itertools
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
@@ -20,15 +20,23 @@ class LLM:
             model_kw = {k: kwargs.pop(k) for k in ("dtype", "device", "max_model_len", "seed", "num_threads") if k in kwargs}
             cache_kw = {k: kwargs.pop(k) for k in ("block_size", "num_blocks") if k in kwargs}
             sched_kw = {k: kwargs.pop(k) for k in ("max_num_seqs", "max_num_batched_tokens") if k in kwargs}
+            parallel = ParallelConfig(kwargs.pop("tensor_parallel_size", 1))
             if kwargs:
                 raise TypeError(f"unknown arguments: {sorted(kwargs)}")
-            config = EngineConfig(ModelConfig(model=model, **model_kw), CacheConfig(**cache_kw), SchedulerConfig(**sched_kw))
+            config = EngineConfig(
+                ModelConfig(model=model, **model_kw), CacheConfig(**cache_kw), SchedulerConfig(**sched_kw),
+                parallel=parallel,
+            )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers (``tensor_parallel_size`` > 1); they also end with this process."""
+        self.engine.close()
 
     def generate(
         self, prompts: list[str | list[int]] | str, params: SamplingParams | list[SamplingParams] | None = None

@@ -70,6 +70,8 @@ def create_app(settings: ServerSettings | None = None, llm_engine: LLMEngine | N
             aborted = serving.abort_all("shutdown")
             await asyncio.to_thread(engine.shutdown)
             llm.stat_loggers.remove(on_step)
+            if llm_engine is None:  # ours to close: stops tensor-parallel workers
+                await asyncio.to_thread(llm.close)
             log.info("engine stopped", extra={"fields": {"aborted": aborted}})
 
     app = FastAPI(title="specserve", version=_version(), lifespan=lifespan)

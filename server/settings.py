@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from engine.model_store import DEFAULT_MODEL_NAME
 
 
@@ -37,6 +37,9 @@ class ServerSettings(BaseSettings):
         None,
         description='speculative decoding, as JSON: {"method": "ngram" | "draft_model" | "early_exit", '
         '"num_speculative_tokens": k, ...}; see README',
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="processes the model is split across (gloo on the CPU, NCCL on GPUs; see README)"
     )
     # -- KV cache and scheduler (engine) --
     block_size: int = Field(16, gt=0, description="tokens per KV-cache block")
@@ -128,4 +131,5 @@ class ServerSettings(BaseSettings):
                 max_waiting=self.max_waiting,
             ),
             speculative=SpeculativeConfig.from_dict(self.speculative_config),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
         )

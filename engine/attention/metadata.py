@@ -67,6 +67,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] slot each new token's K/V is written to
     solo: list[SoloQuery] = field(default_factory=list)
     batched: list[BatchedQuery] = field(default_factory=list)  # one per query-length bucket
+    specs: list[SeqSpec] = field(default_factory=list)  # what it was built from (other tensor-parallel ranks rebuild it)
 
 
 def tree_mask(parents: tuple[int, ...]) -> np.ndarray:
@@ -153,7 +154,7 @@ def build_attention_metadata(specs: list[SeqSpec], block_size: int, device="cpu"
     slot_mapping = np.concatenate(
         [_slots(s.block_table, s.context_len + s.query_len, block_size)[s.context_len :] for s in specs]
     )
-    meta = AttentionMetadata(torch.from_numpy(slot_mapping).to(device))
+    meta = AttentionMetadata(torch.from_numpy(slot_mapping).to(device), specs=list(specs))
     buckets: dict[int, list[int]] = {}
     for i, s in enumerate(specs):
         if s.query_len > MAX_BATCHED_QUERY:

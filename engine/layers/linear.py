@@ -125,42 +125,63 @@ def calibrate_gemv(layers: list[PackedLinear], repeats: int = 5) -> int:
 
 
 class ColumnParallelLinear(PackedLinear):
-    def __init__(self, in_features: int, out_sizes: list[int], tp: TPGroup = SINGLE):
+    """Output features split across ranks. ``out_sizes``: the full row count of each
+    stacked logical matrix, split evenly; or ``parts``: this rank's ``(start, size)``
+    rows of each (uneven splits, e.g. attention heads)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int] | None, tp: TPGroup = SINGLE, parts=None):
         super().__init__()
         self.tp = tp
-        self.out_sizes = [tp.shard(n, "output features") for n in out_sizes]
+        if parts is None:
+            parts = [(tp.rank * s, s) for s in (tp.shard(n, "output features") for n in out_sizes)]
+        self.parts = list(parts)
+        self.out_sizes = [size for _, size in self.parts]
         self.weight = nn.Parameter(torch.empty(sum(self.out_sizes), in_features), requires_grad=False)
 
-    def load(self, shard_id: int, full: torch.Tensor) -> None:
-        """Copy this rank's rows of logical matrix ``shard_id`` (full: [out_i, in])."""
-        size = self.out_sizes[shard_id]
+    def load(self, shard_id: int, full) -> None:
+        """Copy this rank's rows of logical matrix ``shard_id``. ``full`` [out_i, in]: a
+        tensor or a lazy safetensors slice (only the rows taken are read)."""
+        start, size = self.parts[shard_id]
         offset = sum(self.out_sizes[:shard_id])
-        rows = full.narrow(0, self.tp.rank * size, size)
-        self.weight.data[offset : offset + size].copy_(rows)
+        self.weight.data[offset : offset + size].copy_(full[start : start + size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Q, K and V projections in one matmul; shard ids "q", "k", "v"."""
+    """Q, K and V projections in one matmul; shard ids "q", "k", "v".
+
+    Ranks take whole KV heads with their groups of query heads (``TPGroup.split``),
+    so a model whose KV heads do not divide by the tensor-parallel size still
+    splits: 3 KV heads over 2 ranks -> 2 and 1 (SmolLM2: 6 and 3 query heads)."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: TPGroup = SINGLE):
-        super().__init__(hidden, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], tp)
+        kv_start, kv_count = tp.split(num_kv_heads, "num_key_value_heads")
+        group = num_heads // num_kv_heads  # query heads per KV head
+        q = (kv_start * group * head_dim, kv_count * group * head_dim)
+        kv = (kv_start * head_dim, kv_count * head_dim)
+        super().__init__(hidden, None, tp, parts=[q, kv, kv])
 
-    def load(self, shard_id, full: torch.Tensor) -> None:
+    def load(self, shard_id, full) -> None:
         super().load("qkv".index(shard_id), full)
 
 
 class RowParallelLinear(PackedLinear):
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup = SINGLE):
+    """Input features split across ranks (``part``: this rank's ``(start, size)``;
+    default an even split); the partial outputs are summed in ``forward``."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup = SINGLE, part=None):
         super().__init__()
         self.tp = tp
-        self.in_shard = tp.shard(in_features, "input features")
+        if part is None:
+            size = tp.shard(in_features, "input features")
+            part = (tp.rank * size, size)
+        self.in_start, self.in_shard = part
         self.weight = nn.Parameter(torch.empty(out_features, self.in_shard), requires_grad=False)
 
-    def load(self, shard_id, full: torch.Tensor) -> None:
-        self.weight.data.copy_(full.narrow(1, self.tp.rank * self.in_shard, self.in_shard))
+    def load(self, shard_id, full) -> None:
+        self.weight.data.copy_(full[:, self.in_start : self.in_start + self.in_shard])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.matmul(x))
@@ -176,8 +197,8 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp.rank * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden), requires_grad=False)
 
-    def load(self, shard_id, full: torch.Tensor) -> None:
-        self.weight.data.copy_(full.narrow(0, self.start, self.shard_size))
+    def load(self, shard_id, full) -> None:
+        self.weight.data.copy_(full[self.start : self.start + self.shard_size])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

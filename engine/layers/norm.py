@@ -14,8 +14,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
 
-    def load(self, shard_id, full: torch.Tensor) -> None:
-        self.weight.data.copy_(full)
+    def load(self, shard_id, full) -> None:
+        """Replicated on every rank; ``full``: a tensor or a lazy safetensors slice."""
+        self.weight.data.copy_(full[:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:

@@ -35,14 +35,13 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.head_dim = head_dim_of(config)
-        self.num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")
-        self.num_kv_heads = tp.shard(config.num_key_value_heads, "num_key_value_heads")
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, tp
         )
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, tp)
+        q_part, kv_part, _ = self.qkv_proj.parts  # this rank's heads: (first row, rows)
+        self.q_size, self.kv_size = q_part[1], kv_part[1]
+        self.num_heads, self.num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, tp, q_part)
         self.qk_norm = getattr(config, "model_type", "") == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -68,9 +67,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported")
-        inter = config.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], tp)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, tp)
+        part = tp.split(config.intermediate_size, "intermediate_size")  # this rank's (first unit, units)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, None, tp, parts=[part, part])
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp, part)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -144,8 +143,9 @@ class LlamaForCausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def load_weight(self, hf_name: str, tensor: torch.Tensor) -> bool:
-        """Copy one Hugging Face checkpoint tensor into place; False if unused."""
+    def load_weight(self, hf_name: str, tensor) -> bool:
+        """Copy this rank's part of one Hugging Face checkpoint tensor into place; False
+        if unused. ``tensor``: a tensor or a lazy safetensors slice (``loader``)."""
         name = hf_name.removeprefix("model.")
         if "rotary_emb" in name:
             return False
@@ -159,6 +159,5 @@ class LlamaForCausalLM(nn.Module):
         module_name, _, param = name.rpartition(".")
         if param != "weight":
             raise ValueError(f"unexpected parameter {hf_name}")
-        module = self.get_submodule(module_name)
-        module.load(shard_id, tensor.to(module.weight.dtype))
+        self.get_submodule(module_name).load(shard_id, tensor)  # copy_ converts the dtype
         return True

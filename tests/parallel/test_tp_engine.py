@@ -1,0 +1,114 @@
+"""The engine at ``tensor_parallel_size`` 2 (a second process, gloo): the same logits
+(within 1e-4) and the same greedy text as at size 1, with plain decoding and with
+every drafter, on a tiny random model and on the default model. Slow: each engine
+starts a worker process."""
+
+import multiprocessing
+
+import pytest
+import torch
+
+from engine.attention import SeqSpec, build_attention_metadata
+from engine.config import SpeculativeConfig
+from engine.loader import load_tokenizer
+from engine.model_store import fetch_default_model
+from engine.sampling_params import SamplingParams
+from tests.conftest import check_no_lost_blocks
+from tests.engine_core.engine_helpers import run
+from tests.parallel.checkpoints import save_first_layers, save_random_llama, tp_engine
+
+pytestmark = pytest.mark.slow
+
+# Repetitive prompts, so that prompt lookup finds drafts and they are accepted.
+TINY_PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [100, 200, 300, 100, 200], list(range(40, 70))]
+TEXT_PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
+    "Paris is the capital of",
+]
+SPECS = {
+    "ngram": lambda draft, layers: SpeculativeConfig(method="ngram", num_speculative_tokens=4, verify_cost=0.05),
+    "early_exit": lambda draft, layers: SpeculativeConfig(
+        method="early_exit", num_speculative_tokens=3, num_layers=layers, adaptive=False
+    ),
+    "draft_model": lambda draft, layers: SpeculativeConfig(
+        method="draft_model", num_speculative_tokens=3, model=str(draft), adaptive=False
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(fetch_default_model())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = save_random_llama(tmp_path_factory.mktemp("tiny"))
+    return path, save_first_layers(path, tmp_path_factory.mktemp("tiny-draft"), 2)
+
+
+@pytest.fixture(scope="module")
+def default(tmp_path_factory):
+    path = fetch_default_model()
+    return path, save_first_layers(path, tmp_path_factory.mktemp("draft"), 8)
+
+
+def greedy_ids(engine, prompts, max_tokens=24) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [f.token_ids for f in run(engine, prompts, params)]
+
+
+def closed(engine):
+    """Checks the engine gave every block back, stops its worker, and checks no process is left."""
+    try:
+        check_no_lost_blocks(engine)
+    finally:
+        engine.close()
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("specserve-tp")]
+
+
+@torch.inference_mode()
+def prompt_logits(model, kv, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt), vocab], computed in KV blocks 0 and 1 (the engine is idle, prefix caching off)."""
+    meta = build_attention_metadata([SeqSpec(0, len(prompt), [0, 1])], 16)
+    return model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt)), meta, kv))
+
+
+@pytest.mark.parametrize("which", ["tiny", "default"])
+def test_logits_and_plain_greedy_match_size_one(which, request, tokenizer):
+    path, _ = request.getfixturevalue(which)
+    prompts = TINY_PROMPTS if which == "tiny" else [tokenizer.encode(p) for p in TEXT_PROMPTS]
+    # One thread per rank on both sides. What differs is float32 rounding of the split's partial
+    # sums: on SmolLM2 (30 layers, logits up to ~30) the largest of 15 x 49152 logits moved by
+    # 1.0e-4, the mean by ~1e-5; a wrong shard moves them by whole units.
+    whole = tp_engine(path, 1, tokenizer, num_threads=1, enable_prefix_caching=False)
+    split = tp_engine(path, 2, tokenizer, num_threads=1, enable_prefix_caching=False)
+    try:
+        ref = prompt_logits(whole.model, whole.paged_kv, prompts[0])
+        got = prompt_logits(split.model, split.paged_kv, prompts[0])
+        diff = (got - ref).abs()  # [len(prompt), vocab]
+        assert diff.max().item() < (1e-4 if which == "tiny" else 2e-4)
+        assert diff.mean().item() < 2e-5
+        assert greedy_ids(split, prompts) == greedy_ids(whole, prompts)
+        assert split.paged_kv.spec.num_kv_heads == 2  # rank 0's shard: 2 of the 3 KV heads
+    finally:
+        check_no_lost_blocks(whole)
+        closed(split)
+
+
+@pytest.mark.parametrize("method", list(SPECS))
+@pytest.mark.parametrize("which", ["tiny", "default"])
+def test_greedy_with_each_drafter_matches_size_one(which, method, request, tokenizer):
+    path, draft = request.getfixturevalue(which)
+    prompts = TINY_PROMPTS if which == "tiny" else [tokenizer.encode(p) for p in TEXT_PROMPTS]
+    reference = greedy_ids(tp_engine(path, 1, tokenizer), prompts)
+    spec = SPECS[method](draft, 2 if which == "tiny" else 10)
+    engine = tp_engine(path, 2, tokenizer, speculative=spec)
+    accepted = []
+    engine.stat_loggers.append(lambda stats: accepted.append(stats.spec.num_accepted_tokens))
+    try:
+        assert greedy_ids(engine, prompts) == reference
+        assert sum(accepted) > 0  # drafts went through the split target and some were kept
+    finally:
+        closed(engine)
