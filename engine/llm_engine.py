@@ -13,9 +13,11 @@ import torch
 
 from drafters.base import Draft, DraftSlot, build_drafter
 
+from engine.attention import select_backend
 from engine.config import EngineConfig
 from engine.cost_tracker import CostTracker
 from engine.faults import FaultHook
+from engine.gpu_memory import num_kv_blocks
 from engine.loader import load_config, load_model, load_tokenizer
 from engine.model_store import resolve_model
 from engine.models.llama import head_dim_of
@@ -53,10 +55,10 @@ class LLMEngine:
         self.model, self.tokenizer = model, tokenizer
         hf_config = model.config
         self.max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
-        spec = KVSpec(
-            hf_config.num_hidden_layers, hf_config.num_key_value_heads, head_dim_of(hf_config), config.cache.block_size, dtype
-        )
-        num_blocks = config.cache.num_blocks or spec.num_blocks_for(config.cache.memory_bytes)
+        attention = select_backend(config.model.attention_backend, device, dtype)  # GPU path: engine.attention.backends
+        block_size = attention.block_size(config.cache.block_size)
+        spec = KVSpec(hf_config.num_hidden_layers, hf_config.num_key_value_heads, head_dim_of(hf_config), block_size, dtype)
+        num_blocks = num_kv_blocks(config, spec, model, attention, device, self.max_model_len)  # GPU path: engine.gpu_memory
         if num_blocks < blocks_needed(self.max_model_len, spec.block_size):
             raise ValueError(
                 f"the KV cache holds {num_blocks * spec.block_size} tokens, fewer than max_model_len="
@@ -64,7 +66,7 @@ class LLMEngine:
             )
         self.kv_manager = KVCacheManager(num_blocks, spec.block_size, config.cache.enable_prefix_caching)
         self.paged_kv = PagedKV(spec, num_blocks, device)
-        self.runner = ModelRunner(model, self.paged_kv, spec.block_size, device, config.model.seed)
+        self.runner = ModelRunner(model, self.paged_kv, spec.block_size, device, config.model.seed, attention)
         self.cost_tracker: CostTracker | None = None  # set by _speculation when costs are timed
         self.drafter, self.policy = self._speculation(config, num_blocks, spec, device, dtype, drafter)
         slots = self.policy.num_draft_slots if self.policy else no_drafts
@@ -74,8 +76,8 @@ class LLMEngine:
         self.fault_hook: FaultHook | None = None
         self.step_fallbacks = 0  # 1 when the drafter failed in the current step
         self._grammars = None  # engine.grammar.Grammars, built at the first structured request
-        log.info("engine ready: %d KV blocks of %d tokens on %s (%s); matmul inputs padded to %d rows",
-                 num_blocks, spec.block_size, device, dtype, getattr(model, "min_rows", 1))
+        log.info("engine ready: %d KV blocks of %d tokens on %s (%s, attention %s); matmul inputs padded to %d rows",
+                 num_blocks, spec.block_size, device, dtype, attention.name, getattr(model, "min_rows", 1))
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False)
