@@ -22,6 +22,7 @@ runs. Sections:
 """
 
 import argparse
+import gc
 import subprocess
 import sys
 import time
@@ -63,7 +64,8 @@ def environment(args) -> str:
 
 
 def gpu_tests(args) -> str:
-    cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts="]
+    cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+           "--noconftest"]  # tests/gpu needs no fixture; the suite's conftest would add imports that may be missing
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
     tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-25:])
     if r.returncode not in (0, 5):  # 5: nothing collected
@@ -194,7 +196,10 @@ def throughput(args) -> str:
         for batch in args.batches:
             tps = tokens_per_s(engine, batch, 32 if args.tiny else 64)
             rows.append([f"SmolLM2-135M ({engine.kv_manager.pool.num_blocks} KV blocks)", name, batch, f"{tps:.0f}"])
-        del engine
+        del engine  # and its KV cache, before the next engine profiles the GPU's memory
+        gc.collect()
+        if args.device.type == "cuda":
+            torch.cuda.empty_cache()
     return markdown_table(["model", "backend", "batch", "tokens/s"], rows) + "\n\nEnd to end through the engine (prefill included)."
 
 
