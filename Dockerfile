@@ -12,13 +12,14 @@
 # wheel; for an older driver pick a torch built for CUDA 12 and a matching image, e.g.
 #   --build-arg CUDA_VERSION=12.8.1 --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 #
-# flash-attn (the `gpu` extra) compiles against the installed torch, so it is installed
-# with --no-build-isolation after torch. Its setup first looks for a prebuilt wheel of
-# the same flash-attn / torch / CUDA / Python on flash-attn's release page and only
-# compiles (nvcc, tens of minutes; MAX_JOBS bounds the memory) when there is none;
-# that is why the build stage is the devel image. To skip the compile, pass a wheel
-# built once elsewhere: --build-arg FLASH_ATTN_WHEEL=https://.../flash_attn-...whl;
-# to leave flash-attn out (the torch attention backend also runs on GPUs):
+# flash-attn: its prebuilt release wheel for this torch / CUDA / Python
+# (deploy/flash_attn_wheel.py names it), and nothing else. When that wheel does not
+# exist (flash-attn 2.8.3 has none for CUDA 13 torches), the image goes without
+# flash-attn and `--attention-backend auto` serves with the torch_varlen fallback:
+# the log line "engine ready: ... attention NAME" says which. To compile flash-attn
+# from source instead (nvcc, tens of minutes; why the build stage is the devel image):
+# --build-arg FLASH_ATTN_SOURCE_BUILD=true; to pass a wheel built once elsewhere:
+# --build-arg FLASH_ATTN_WHEEL=https://.../flash_attn-...whl; to leave it out:
 # --build-arg WITH_FLASH_ATTN=false.
 
 ARG CUDA_VERSION=13.0.1
@@ -29,7 +30,8 @@ FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION} AS build
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://pypi.org/simple
 ARG WITH_FLASH_ATTN=true
-ARG FLASH_ATTN_VERSION=2.8.3.post2
+ARG FLASH_ATTN_VERSION=2.8.3
+ARG FLASH_ATTN_SOURCE_BUILD=false
 ARG FLASH_ATTN_WHEEL=
 ARG FLASH_ATTN_CUDA_ARCHS="80;90;100;120"
 ARG MAX_JOBS=4
@@ -53,18 +55,20 @@ RUN python3 -m venv /opt/venv \
     && pip install "pip==25.3" "setuptools==80.9.0" "wheel==0.45.1" \
     && pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
-# The build tools flash-attn needs when it is built without isolation. A given
-# FLASH_ATTN_WHEEL is one exact file, pinned by its name, which hadolint cannot see.
+# A wheel is one exact file, pinned by its name, which hadolint cannot see.
 # hadolint ignore=DL3013
-RUN if [ "${WITH_FLASH_ATTN}" != "true" ]; then exit 0; fi \
-    && pip install "packaging==25.0" "ninja==1.13.0" "psutil==7.1.0" "einops==0.8.1" \
-    && if [ -n "${FLASH_ATTN_WHEEL}" ]; then \
-         pip install "${FLASH_ATTN_WHEEL}"; \
+RUN --mount=type=bind,source=deploy/flash_attn_wheel.py,target=/tmp/flash_attn_wheel.py \
+    if [ "${WITH_FLASH_ATTN}" != "true" ]; then exit 0; fi \
+    && WHEEL="${FLASH_ATTN_WHEEL:-$(python /tmp/flash_attn_wheel.py "${FLASH_ATTN_VERSION}")}" \
+    && if pip install "${WHEEL}"; then \
+         echo "flash-attn from ${WHEEL}"; \
+       elif [ "${FLASH_ATTN_SOURCE_BUILD}" = "true" ]; then \
+         pip install "packaging==25.0" "ninja==1.13.0" "psutil==7.1.0" "einops==0.8.1" \
+         && FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS}" MAX_JOBS="${MAX_JOBS}" \
+              pip install --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}"; \
        else \
-         FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS}" MAX_JOBS="${MAX_JOBS}" \
-           pip install --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}"; \
-       fi \
-    && python -c "import flash_attn; print('flash-attn', flash_attn.__version__)"
+         echo "no prebuilt flash-attn wheel ${WHEEL}: the image serves with the torch_varlen attention backend"; \
+       fi
 
 # The project last: its layers are the only ones a code change rebuilds.
 COPY pyproject.toml README.md /src/
@@ -73,8 +77,9 @@ COPY server /src/server
 COPY engine /src/engine
 COPY kvcache /src/kvcache
 COPY drafters /src/drafters
-RUN if [ "${WITH_FLASH_ATTN}" = "true" ]; then pip install "/src[gpu]"; else pip install /src; fi \
-    && python -c "import torch, server.cli; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+# Without the `gpu` extra: flash-attn is installed above or not at all, never built here by pip.
+RUN pip install /src \
+    && python -c "import torch, server.cli, engine.attention.backends as b; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'flash-attn', b.flash_attn_installed())"
 
 
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS runtime

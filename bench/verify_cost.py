@@ -21,7 +21,8 @@ import torch
 from transformers import LlamaConfig
 
 from bench.common import markdown_table, write_report
-from engine.attention import SeqSpec, build_attention_metadata
+from engine.attention import AttentionBackend, SeqSpec
+from engine.attention.backends import TORCH
 from engine.models.llama import LlamaForCausalLM, head_dim_of
 from kvcache.tensors import KVSpec, PagedKV
 
@@ -63,12 +64,14 @@ def sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def pass_ms(model, kv: PagedKV, batch: int, n: int, context: int, repeats: int) -> float:
-    """Median milliseconds of one pass over ``n`` new tokens for each of ``batch`` requests."""
-    device = kv.k[0].device
-    per_request = -(-(context + n) // BLOCK)
-    specs = [SeqSpec(context, n, list(range(b * per_request, (b + 1) * per_request))) for b in range(batch)]
-    meta = build_attention_metadata(specs, BLOCK, device)
+def pass_ms(model, kv: PagedKV, batch: int, n: int, context: int, repeats: int, backend: AttentionBackend = TORCH,
+            parents: tuple[int, ...] | None = None) -> float:
+    """Median milliseconds of one pass over ``n`` new tokens for each of ``batch`` requests
+    (a tree over them with ``parents``; default a chain)."""
+    device, block = kv.k[0].device, kv.spec.block_size
+    per_request = -(-(context + n) // block)
+    specs = [SeqSpec(context, n, list(range(b * per_request, (b + 1) * per_request)), parents) for b in range(batch)]
+    meta = backend.build_metadata(specs, block, device)
     ids = torch.randint(0, model.config.vocab_size, (batch * n,), device=device)
     pos = torch.arange(context, context + n, device=device).repeat(batch)  # [batch * n]
     times = []
@@ -82,13 +85,15 @@ def pass_ms(model, kv: PagedKV, batch: int, n: int, context: int, repeats: int) 
     return statistics.median(times)
 
 
-def measure(shapes: dict, device, dtype, batches, tokens, context: int, repeats: int) -> dict:
-    """{batch: {n: ms}} for every batch size and tokens per request."""
-    model = build(shapes, device, dtype, context + max(tokens) + 1)
+def measure(shapes: dict, device, dtype, batches, tokens, context: int, repeats: int, backend: AttentionBackend = TORCH,
+            model=None) -> dict:
+    """{batch: {n: ms}} for every batch size and tokens per request (``model``: built if None)."""
+    model = model or build(shapes, device, dtype, context + max(tokens) + 1)
     cfg = model.config
-    num_blocks = max(batches) * -(-(context + max(tokens)) // BLOCK)
-    kv = PagedKV(KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), BLOCK, dtype), num_blocks, device)
-    return {b: {n: pass_ms(model, kv, b, n, context, repeats) for n in tokens} for b in batches}
+    block = backend.block_size(BLOCK)
+    num_blocks = max(batches) * -(-(context + max(tokens)) // block)
+    kv = PagedKV(KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), block, dtype), num_blocks, device)
+    return {b: {n: pass_ms(model, kv, b, n, context, repeats, backend) for n in tokens} for b in batches}
 
 
 def table(results: dict) -> str:

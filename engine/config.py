@@ -14,6 +14,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     num_threads: int | None = None  # CPU threads for torch; None: every core
+    attention_backend: str = "auto"  # auto | torch | torch_varlen | flash_attn (engine.attention.backends)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -35,10 +36,15 @@ class CacheConfig:
     memory_bytes: int = 1 << 30  # KV-cache budget; ignored when num_blocks is set
     num_blocks: int | None = None
     enable_prefix_caching: bool = True  # share full blocks of verified tokens between requests (kvcache.manager)
+    # CUDA: the fraction of the GPU's memory this engine may use; the KV cache gets what the
+    # weights and a profiled largest step leave of it (engine.gpu_memory). Replaces memory_bytes.
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self):
         if self.block_size < 1 or (self.num_blocks is not None and self.num_blocks < 1):
             raise ValueError("block_size and num_blocks must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,11 @@ import time
 
 import torch
 
+from engine.attention import select_backend
 from engine.config import EngineConfig
 from engine.distributed import TensorParallelModel, load_target
 from engine.faults import FaultHook
+from engine.gpu_memory import num_kv_blocks
 from engine.loader import load_config, load_tokenizer
 from engine.model_store import resolve_model
 from engine.models.llama import head_dim_of
@@ -62,9 +64,11 @@ class LLMEngine:
         self.tp_workers = model.workers if isinstance(model, TensorParallelModel) else None
         hf_config = model.config
         self.max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
+        attention = select_backend(config.model.attention_backend, device, dtype)  # GPU path: engine.attention.backends
+        block_size = attention.block_size(config.cache.block_size)
         kv_heads = model.layers[0].self_attn.num_kv_heads  # this rank's (all of them at tensor_parallel_size 1)
-        spec = KVSpec(hf_config.num_hidden_layers, kv_heads, head_dim_of(hf_config), config.cache.block_size, dtype)
-        num_blocks = config.cache.num_blocks or spec.num_blocks_for(config.cache.memory_bytes)
+        spec = KVSpec(hf_config.num_hidden_layers, kv_heads, head_dim_of(hf_config), block_size, dtype)
+        num_blocks = num_kv_blocks(config, spec, model, attention, device, self.max_model_len)  # GPU path: engine.gpu_memory
         if num_blocks < blocks_needed(self.max_model_len, spec.block_size):
             raise ValueError(
                 f"the KV cache holds {num_blocks * spec.block_size} tokens, fewer than max_model_len="
@@ -72,7 +76,7 @@ class LLMEngine:
             )
         self.kv_manager = KVCacheManager(num_blocks, spec.block_size, config.cache.enable_prefix_caching)
         self.paged_kv = PagedKV(spec, num_blocks, device)
-        self.runner = ModelRunner(model, self.paged_kv, spec.block_size, device, config.model.seed)
+        self.runner = ModelRunner(model, self.paged_kv, spec.block_size, device, config.model.seed, attention)
         self.cost_tracker: CostTracker | None = None  # set by _speculation when costs are timed
         self.drafter, self.policy = self._speculation(config, num_blocks, spec, device, dtype, drafter)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
@@ -81,8 +85,8 @@ class LLMEngine:
         self.fault_hook: FaultHook | None = None
         self.step_fallbacks = 0  # 1 when the drafter failed in the current step
         self._grammars = None  # engine.grammar.Grammars, built at the first structured request
-        log.info("engine ready: %d KV blocks of %d tokens on %s (%s); matmul inputs padded to %d rows, "
-                 "AVX2 kernel up to %d rows", num_blocks, spec.block_size, device, dtype,
+        log.info("engine ready: %d KV blocks of %d tokens on %s (%s, attention %s); matmul inputs padded to %d rows, "
+                 "AVX2 kernel up to %d rows", num_blocks, spec.block_size, device, dtype, attention.name,
                  getattr(model, "min_rows", 1), getattr(model, "gemv_max_rows", 0))
 
     def tokenize(self, prompt: str) -> list[int]:

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.attention import SeqSpec
+from engine.attention.backends import TORCH, AttentionBackend
 from engine.spec_decode.drafter import Draft
-from engine.attention import SeqSpec, build_attention_metadata
 from engine.outputs import TokenLogprob
 from engine.rejection_sampler import PLACEHOLDER, greedy_verify, rejection_sample
 from engine.sampler import (
@@ -64,8 +65,10 @@ class RequestState:
 
 
 class ModelRunner:
-    def __init__(self, model, kv: PagedKV, block_size: int, device: torch.device, seed: int = 0):
+    def __init__(self, model, kv: PagedKV, block_size: int, device: torch.device, seed: int = 0,
+                 attention: AttentionBackend = TORCH):
         self.model = model
+        self.attention = attention  # builds each step's attention metadata (engine.attention.backends)
         self.kv = kv
         self.block_size = block_size
         self.device = device
@@ -131,7 +134,7 @@ class ModelRunner:
         input_ids = np.fromiter((t for c in chains for t in c), dtype=np.int64, count=int(query_lens.sum()))
         positions = np.concatenate([np.arange(s.context_len, s.context_len + len(c)) for s, c in zip(sched, chains)])
         specs = [SeqSpec(s.context_len, len(c), self.requests[s.request_id].block_table) for s, c in zip(sched, chains)]
-        meta = build_attention_metadata(specs, self.block_size, self.device)
+        meta = self.attention.build_metadata(specs, self.block_size, self.device)
         hidden = self.model(self._t(input_ids), self._t(positions), meta, self.kv)  # [T, hidden]
         prompt_logprobs = self._prompt_logprobs(hidden, sched, query_lens)
         rows = [i for i, s in enumerate(sched) if s.sample]

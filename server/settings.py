@@ -33,6 +33,12 @@ class ServerSettings(BaseSettings):
     )
     seed: int = Field(0, description="seed of the engine's default random generator")
     num_threads: int | None = Field(None, gt=0, description="CPU threads for torch (default: every core)")
+    attention_backend: Literal["auto", "torch", "torch_varlen", "flash_attn"] = Field(
+        "auto",
+        description="attention kernels: torch (the CPU path), torch_varlen (the CUDA fallback), flash_attn "
+        "(flash-attn 2.x, CUDA, KV blocks of 256 tokens); auto picks flash_attn on CUDA when it is installed, "
+        "else torch_varlen on CUDA, else torch",
+    )
     speculative_config: dict | None = Field(
         None,
         description='speculative decoding, as JSON: {"method": "ngram" | "draft_model" | "early_exit", '
@@ -43,7 +49,11 @@ class ServerSettings(BaseSettings):
     )
     # -- KV cache and scheduler (engine) --
     block_size: int = Field(16, gt=0, description="tokens per KV-cache block")
-    kv_cache_memory_bytes: int = Field(1 << 30, gt=0, description="KV-cache budget in bytes")
+    kv_cache_memory_bytes: int = Field(1 << 30, gt=0, description="KV-cache budget in bytes on the CPU")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="CUDA: fraction of the GPU's memory for weights, activations and the KV cache; "
+        "the KV cache gets what a profiled largest step leaves"
+    )
     enable_prefix_caching: bool = Field(
         True, description="reuse the KV blocks of prompt prefixes already computed (shared system prompts, "
         "earlier conversation turns)"
@@ -119,11 +129,13 @@ class ServerSettings(BaseSettings):
                 max_model_len=self.max_model_len,
                 seed=self.seed,
                 num_threads=self.num_threads,
+                attention_backend=self.attention_backend,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
                 memory_bytes=self.kv_cache_memory_bytes,
                 enable_prefix_caching=self.enable_prefix_caching,
+                gpu_memory_utilization=self.gpu_memory_utilization,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

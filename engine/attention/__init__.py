@@ -1,5 +1,6 @@
 """Attention over the paged KV cache: per-step metadata and the backends."""
 
+from engine.attention.backends import AttentionBackend, paged_attention, select_backend
 from engine.attention.metadata import (
     AttentionMetadata,
     SeqSpec,
@@ -7,13 +8,14 @@ from engine.attention.metadata import (
     tree_depths,
     tree_mask,
 )
-from engine.attention.torch_backend import paged_attention
 
 __all__ = [
+    "AttentionBackend",
     "AttentionMetadata",
     "SeqSpec",
     "build_attention_metadata",
     "paged_attention",
+    "select_backend",
     "tree_depths",
     "tree_mask",
 ]

@@ -94,7 +94,8 @@ def tree_depths(parents: tuple[int, ...]) -> np.ndarray:
     return depth
 
 
-def _slots(block_table: list[int], n: int, block_size: int) -> np.ndarray:
+def token_slots(block_table: list[int], n: int, block_size: int) -> np.ndarray:
+    """[n] KV slot of positions 0 .. n-1 of a request with ``block_table``."""
     pos = np.arange(n, dtype=np.int64)
     return np.asarray(block_table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
 
@@ -109,7 +110,7 @@ def _solo(spec: SeqSpec, start: int, block_size: int, device) -> SoloQuery:
     if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
         span = (blocks[0] * block_size, kv_len)
     else:
-        slots = torch.from_numpy(_slots(spec.block_table, kv_len, block_size)).to(device)
+        slots = torch.from_numpy(token_slots(spec.block_table, kv_len, block_size)).to(device)
     if spec.query_len == 1 and spec.parents is None:
         return SoloQuery(start, end, slots, span, None, causal=False)  # one token sees everything
     mask = np.ones((spec.query_len, kv_len), dtype=bool)
@@ -152,7 +153,7 @@ def build_attention_metadata(specs: list[SeqSpec], block_size: int, device="cpu"
     """Metadata for a step whose flat tokens are ``specs`` in order."""
     starts = np.concatenate([[0], np.cumsum([s.query_len for s in specs])]).tolist()
     slot_mapping = np.concatenate(
-        [_slots(s.block_table, s.context_len + s.query_len, block_size)[s.context_len :] for s in specs]
+        [token_slots(s.block_table, s.context_len + s.query_len, block_size)[s.context_len :] for s in specs]
     )
     meta = AttentionMetadata(torch.from_numpy(slot_mapping).to(device), specs=list(specs))
     buckets: dict[int, list[int]] = {}

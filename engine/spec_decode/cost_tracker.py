@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from engine.attention import SeqSpec, build_attention_metadata
+from engine.attention import SeqSpec
 from engine.spec_decode.policy import StepCosts
 
 ALPHA = 0.05  # weight of one observation
@@ -75,13 +75,13 @@ def measure_step_costs(model, runner, max_rows: int, block_size: int, max_len: i
     ids = torch.randint(0, model.config.vocab_size, (context + max_rows,), device=device)
 
     def run(n: int) -> float:
-        meta = build_attention_metadata([SeqSpec(context, n, blocks)], block_size, device)
+        meta = runner.attention.build_metadata([SeqSpec(context, n, blocks)], block_size, device)
         pos = torch.arange(context, context + n, device=device)
         t = time.perf_counter()
         model.compute_logits(model(ids[context : context + n], pos, meta, runner.kv)).argmax(-1)
         return time.perf_counter() - t
 
-    meta = build_attention_metadata([SeqSpec(0, context, blocks)], block_size, device)
+    meta = runner.attention.build_metadata([SeqSpec(0, context, blocks)], block_size, device)
     model(ids[:context], torch.arange(context, device=device), meta, runner.kv)
     rows = sorted({r for r in (1, 2, 3, 5, 9, 17, 33, 65, 129, 257) if r < max_rows} | {max_rows})
     # Interleaved, and the minimum of each: robust to other work on a shared machine.

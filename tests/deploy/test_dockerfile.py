@@ -135,3 +135,30 @@ def test_dockerignore(path, ignored):
 def test_dockerignore_lets_every_package_in():
     for pkg in packages():
         assert not dockerignored(f"{pkg}/__init__.py"), pkg
+
+
+def build_args() -> dict[str, str]:
+    return dict(a.partition("=")[::2] for k, a in instructions() if k == "ARG")
+
+
+def test_flash_attn_comes_from_its_prebuilt_wheel_or_not_at_all():
+    """The image installs flash-attn only from the release wheel named for its torch
+    (or a given wheel, or an explicit source build), and never through the `gpu` extra,
+    which would make pip compile it."""
+    args = build_args()
+    assert re.fullmatch(r"\d+\.\d+\.\d+", args["FLASH_ATTN_VERSION"]), "a release tag v<version> holds the wheels"
+    assert args["FLASH_ATTN_SOURCE_BUILD"] == "false"
+    runs = " ".join(a for k, a in instructions() if k == "RUN")
+    assert "flash_attn_wheel.py" in runs and "[gpu]" not in runs
+    assert not dockerignored("deploy/flash_attn_wheel.py")
+
+
+def test_flash_attn_wheel_name_follows_its_setup_py():
+    from deploy.flash_attn_wheel import wheel_name, wheel_url
+
+    # The names on flash-attn's release page, e.g. v2.8.3:
+    assert wheel_name("2.8.3", "2.8.0+cu128", "12.8", True, (3, 12)) == (
+        "flash_attn-2.8.3+cu12torch2.8cxx11abiTRUE-cp312-cp312-linux_x86_64.whl"
+    )
+    assert wheel_name("2.8.3", "2.13.0", "13.0", False, (3, 11)).startswith("flash_attn-2.8.3+cu13torch2.13cxx11abiFALSE-cp311")
+    assert wheel_url("2.8.3", "x.whl") == "https://github.com/Dao-AILab/flash-attention/releases/download/v2.8.3/x.whl"

@@ -1,0 +1,80 @@
+"""The attention backends, chosen once at start-up (``--attention-backend``).
+
+Each backend builds its own metadata from the same plain per-request specs
+(``SeqSpec``); the model calls ``paged_attention(q, k, v, kv_layer, meta)``, which
+runs the forward of the backend that built ``meta``.
+
+======================  =======================================================
+``torch``               gather + SDPA with explicit masks, per query-length bucket
+                        (``torch_backend``): the CPU path and the reference
+``torch_varlen``        flash-attn's layout and tree split with a torch kernel
+                        (``varlen_backend.torch_kernel``): the CUDA fallback
+``flash_attn``          flash-attn 2.x varlen over the paged cache
+                        (``varlen_backend.flash_kernel``); KV blocks of 256 tokens
+``auto``                flash_attn on CUDA in fp16/bf16 when flash-attn imports,
+                        else torch_varlen on CUDA, else torch
+======================  =======================================================
+"""
+
+import importlib.util
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+
+from engine.attention import torch_backend, varlen_backend
+from engine.attention.metadata import AttentionMetadata, build_attention_metadata
+from engine.attention.varlen_metadata import VarlenMetadata, build_varlen_metadata
+
+BACKEND_NAMES = ("auto", "torch", "torch_varlen", "flash_attn")
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    build_metadata: Callable  # (specs: list[SeqSpec], block_size, device) -> the backend's metadata
+    block_size_multiple: int = 1  # the KV block size must be a multiple of this
+
+    def block_size(self, requested: int) -> int:
+        """``requested`` when the backend accepts it, else the smallest size it accepts."""
+        return requested if requested % self.block_size_multiple == 0 else self.block_size_multiple
+
+
+TORCH = AttentionBackend("torch", build_attention_metadata)
+TORCH_VARLEN = AttentionBackend(
+    "torch_varlen", partial(build_varlen_metadata, kernel=varlen_backend.torch_kernel, split_by_query_len=True)
+)
+FLASH_ATTN = AttentionBackend(
+    "flash_attn", partial(build_varlen_metadata, kernel=varlen_backend.flash_kernel),
+    varlen_backend.FLASH_BLOCK_SIZE_MULTIPLE,
+)
+BACKENDS = {b.name: b for b in (TORCH, TORCH_VARLEN, FLASH_ATTN)}
+
+_FORWARD = {AttentionMetadata: torch_backend.paged_attention, VarlenMetadata: varlen_backend.paged_attention}
+
+
+def paged_attention(q, k, v, kv_layer, meta) -> torch.Tensor:
+    """q [T, H, D], k and v [T, KVH, D] -> [T, H, D], by the backend that built ``meta``."""
+    return _FORWARD[type(meta)](q, k, v, kv_layer, meta)
+
+
+def flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The backend for ``--attention-backend name``; ValueError when it cannot run here."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKEND_NAMES)}; got {name!r}")
+    cuda, half = device.type == "cuda", dtype in (torch.float16, torch.bfloat16)
+    if name == "auto":
+        if cuda and half and flash_attn_installed():
+            return FLASH_ATTN
+        return TORCH_VARLEN if cuda else TORCH
+    if name == "flash_attn" and not (cuda and half and flash_attn_installed()):
+        raise ValueError(
+            "attention backend flash_attn needs a CUDA device, dtype float16 or bfloat16, and the flash-attn "
+            f"package (device {device}, dtype {dtype}, flash-attn installed: {flash_attn_installed()})"
+        )
+    return BACKENDS[name]
