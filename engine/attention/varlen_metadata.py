@@ -23,7 +23,7 @@ are split in two parts merged by log-sum-exp (``engine.attention.lse``):
   (a small dense attention over the step's new K/V, ``TreePart``).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -67,6 +67,7 @@ class VarlenMetadata:
     groups: list[VarlenGroup]  # chains, decodes and prefill chunks (causal)
     tree_prefix: VarlenGroup | None  # tree nodes against their committed context (not causal)
     tree: TreePart | None
+    specs: list[SeqSpec] = field(default_factory=list)  # what it was built from (other tensor-parallel ranks rebuild it)
 
 
 def _group(specs: list[SeqSpec], starts: list[int], kv_lens: list[int], causal: bool, block_size: int, device):
@@ -134,4 +135,4 @@ def build_varlen_metadata(
         sub, sub_starts = [specs[i] for i in trees], [starts[i] for i in trees]
         tree_prefix = _group(sub, sub_starts, [s.context_len for s in sub], False, block_size, device)
         tree = _tree_part(sub, sub_starts, device)
-    return VarlenMetadata(torch.from_numpy(slot_mapping).to(device), kernel, groups, tree_prefix, tree)
+    return VarlenMetadata(torch.from_numpy(slot_mapping).to(device), kernel, groups, tree_prefix, tree, list(specs))
