@@ -67,6 +67,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.paged_kv, spec.block_size, device, config.model.seed)
         self.cost_tracker: CostTracker | None = None  # set by _speculation when costs are timed
         self.drafter, self.policy = self._speculation(config, num_blocks, spec, device, dtype, drafter)
+        self.runner.feature_layers = self.drafter.feature_layers if self.drafter else ()
         slots = self.policy.num_draft_slots if self.policy else no_drafts
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, slots)
         self.eos_token_ids = _eos_ids(hf_config, tokenizer)
@@ -239,6 +240,8 @@ class LLMEngine:
     def _after_step(self, scheduled: SchedulerOutput, result: RunnerOutput, touched: list[Request], times) -> None:
         """Tell the drafter what was kept, feed the policy, report stats."""
         if self.policy is not None:
+            if result.features:
+                self.drafter.add_features(result.features)
             for s in scheduled.scheduled:
                 rid = s.request_id
                 self.policy.record(s.request, result.num_drafted.get(rid, 0), result.num_accepted.get(rid, 0))
