@@ -79,6 +79,7 @@ def build_drafter(spec_config, **context) -> Drafter:
     """The drafter named by ``spec_config.method``; ``context`` offers the target
     model, device, dtype, cache sizing, ... to factories that need them."""
     import drafters.draft_model  # noqa: F401 - registers draft_model
+    import drafters.combined  # noqa: F401 - registers ngram+eagle, ngram+eagle3
     import drafters.eagle  # noqa: F401 - registers eagle, eagle3
     import drafters.early_exit  # noqa: F401 - registers early_exit
     import drafters.ngram  # noqa: F401 - registers ngram

@@ -147,7 +147,7 @@ class EagleDrafter(SamplingDrafter):
         self.kv.free(request_id)
 
 
-def _build(kind: str):
+def eagle_factory(kind: str):
     def factory(spec, *, target, num_blocks, block_size, dtype, device, **_) -> EagleDrafter:
         from engine.model_store import resolve_model
 
@@ -163,4 +163,4 @@ def _build(kind: str):
 
 
 for _kind in KINDS:
-    register(_kind)(_build(_kind))
+    register(_kind)(eagle_factory(_kind))

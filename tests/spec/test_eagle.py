@@ -139,3 +139,37 @@ def test_a_reduced_vocabulary_drafts_only_its_tokens(tmp_path):
     allowed[head.draft_to_target] = True
     assert torch.isinf(logits[:, ~allowed]).all() and torch.isfinite(logits[:, allowed]).all()
     assert allowed.sum() == 5
+
+
+def test_the_combination_is_exact_and_uses_both_drafters(tmp_path):
+    model = small_target()
+    engine = eagle_engine(model, "ngram+eagle3", write_random_head(model, "eagle3", tmp_path / "h", draft_vocab=12))
+    used, propose = {"ngram": 0, "eagle": 0}, {n: getattr(engine.drafter, n).propose for n in ("ngram", "eagle")}
+    for name in used:
+        def count(slots, name=name):
+            used[name] += len(slots)
+            return propose[name](slots)
+        setattr(getattr(engine.drafter, name), "propose", count)
+    prompts = PROMPTS + [[5, 6, 7, 8] * 6]  # repetitive: prompt lookup matches
+    assert run(engine, prompts) == run(eagle_engine(model), prompts)
+    assert used["ngram"] > 0 and used["eagle"] > 0
+
+
+def test_the_combination_picks_by_past_records(tmp_path):
+    from drafters.combined import EAGLE_CLASS, _Record
+
+    model = small_target()
+    engine = eagle_engine(model, "ngram+eagle3", write_random_head(model, "eagle3", tmp_path / "h", draft_vocab=12))
+    drafter = engine.drafter
+    req = engine.add_request("r", list(range(16)), greedy(8))
+    engine.step()  # prefill: the head has the prompt's features; every token occurred before
+    assert drafter.ngram.context_class(req) is not None
+    assert drafter.context_class(req) == drafter.ngram.context_class(req)  # no record yet: lookup is tried
+    n = drafter.ngram.context_class(req)
+    drafter.records[n] = _Record(drafted=4.0, accepted=0.0, rounds=10)
+    drafter.records[EAGLE_CLASS] = _Record(drafted=3.0, accepted=2.0, rounds=10)
+    assert drafter.context_class(req) == EAGLE_CLASS
+    drafter.records[n] = _Record(drafted=4.0, accepted=3.0, rounds=10)
+    assert drafter.context_class(req) == n
+    while engine.has_unfinished():
+        engine.step()
