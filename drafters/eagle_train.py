@@ -14,7 +14,7 @@ step-0 keys up to b and to its own chain's keys of steps 1 .. j, as drafting doe
 Each step's soft cross-entropy against the target's distribution, weighted 0.8^j.
 
 Every ``save_every`` steps the head is written in the published EAGLE-3 format (the
-loader reads it), with ``train_state.safetensors`` (weights, Adam moments, step) and
+loader reads it), with ``train/state.safetensors`` (weights, Adam moments, step) and
 ``train_log.json``; a rerun with the same ``--out`` resumes from there. The loss curve
 is ``loss.png``. No pickle is written or read.
 """
@@ -225,8 +225,9 @@ def _save(out: Path, head: EagleHead, opt, draft_ids: torch.Tensor, log: dict) -
         if st:
             tensors[f"exp_avg.{name}"], tensors[f"exp_avg_sq.{name}"] = st["exp_avg"], st["exp_avg_sq"]
             tensors[f"step.{name}"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
-    save_file(tensors, str(out / "train_state.tmp"))
-    (out / "train_state.tmp").replace(out / "train_state.safetensors")
+    (out / "train").mkdir(exist_ok=True)  # not a *.safetensors of the head's directory: the loader reads those
+    save_file(tensors, str(out / "train" / "state.tmp"))
+    (out / "train" / "state.tmp").replace(out / "train" / "state.safetensors")
     (out / "train_log.json").write_text(json.dumps(log))
     _plot(out / "loss.png", log)
 
@@ -234,7 +235,7 @@ def _save(out: Path, head: EagleHead, opt, draft_ids: torch.Tensor, log: dict) -
 def _load_state(out: Path) -> dict | None:
     from safetensors.torch import load_file
 
-    file = out / "train_state.safetensors"
+    file = out / "train" / "state.safetensors"
     return load_file(str(file)) if file.is_file() and (out / "train_log.json").is_file() else None
 
 

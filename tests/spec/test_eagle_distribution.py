@@ -19,12 +19,16 @@ def eagle_engine(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.slow  # 20,000 requests
+@pytest.mark.timeout(3600)
 def test_eagle_rounds_emit_target_distribution(kind):
     target, engine = eagle_engine(kind)
     counts = sample_joint(engine, SETTINGS[1], NUM_SAMPLES)
     assert p_value(counts, exact_joint(llama_logits(target), SETTINGS[1])) > 1e-3
 
 
+@pytest.mark.slow  # 20,000 requests
+@pytest.mark.timeout(3600)
 def test_the_eagle_distribution_test_rejects_a_broken_sampler(monkeypatch):
     monkeypatch.setattr(rejection_sampler, "residual_distribution", _resample_from_p)
     target, engine = eagle_engine("eagle3")
