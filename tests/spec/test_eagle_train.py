@@ -75,3 +75,24 @@ def test_the_trained_head_keeps_greedy_output_on_the_default_model(make_engine, 
     prompts = [p["input_ids"] if hasattr(p, "keys") else p for p in prompts]
     spec = SpeculativeConfig(method="eagle3", model=str(TRAINED), num_speculative_tokens=4, verify_cost=0.05)
     assert run(make_engine(speculative=spec), prompts, 48) == run(default_engine, prompts, 48)
+
+
+def test_training_step_zero_computes_what_drafting_computes():
+    """The loss of the training-time test's first step equals the same soft cross-entropy
+    computed with the head's paged drafting pass over the same pairs."""
+    from engine.attention import SeqSpec, build_attention_metadata
+
+    target = small_target()
+    head = new_head(target, torch.arange(0, 16, 2))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+    batch, feats, probs = batch_and_labels(target, head)
+    loss, _ = ttt_loss(head, feats, batch, probs, steps=1)
+    kv = PagedKV(KVSpec(1, head.num_kv_heads, head.head_dim, 16, torch.float32), 8, "cpu")
+    n = batch.shape[1] - 1
+    meta = build_attention_metadata([SeqSpec(0, n, [0, 1]), SeqSpec(0, n, [2, 3])], 16)
+    with torch.no_grad():
+        out = head(batch[:, 1:].reshape(-1), head.fuse(feats[:, :-1].reshape(2 * n, -1)), torch.arange(n).repeat(2), meta, kv)
+        logp = torch.log_softmax(head.draft_logits(out)[:, head.draft_to_target], -1).view(2, n, -1)
+    torch.testing.assert_close(-(probs[:, 1:] * logp).sum(-1).mean(), loss.detach(), rtol=1e-4, atol=1e-4)
