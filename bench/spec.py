@@ -1,8 +1,12 @@
-"""Speculative decoding per Spec-Bench category: plain vs ngram vs early_exit.
+"""Speculative decoding per Spec-Bench category: plain vs ngram vs early_exit vs eagle3.
 
     .venv/bin/python -m bench.spec [--prompts 5] [--mt-prompts 2] [--max-tokens 256]
+        [--methods plain,ngram,...] [--categories qa,mt-bench/stem,...] [--eagle-head DIR]
 
-Three ``specserve serve`` processes on loopback (one per method, all fp32 on
+The eagle3 and ngram+eagle3 rows use the head that ``specserve train-eagle`` wrote
+(default: ~/.cache/specserve/heads/SmolLM2-135M-Instruct-eagle3); without one they are left out.
+
+One ``specserve serve`` process per method on loopback (one per method, all fp32 on
 the CPU, batch 1) answer the same prompts in turn, prompt by prompt, so that the
 ratios are measured side by side. Acceptance figures come from each server's
 /metrics (the counters the Grafana dashboard reads), as deltas per category.
@@ -29,7 +33,10 @@ METHODS = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_max": 8},
     "early_exit": {"method": "early_exit", "num_speculative_tokens": 3, "num_layers": 8},
+    "eagle3": {"method": "eagle3", "num_speculative_tokens": 4},
+    "ngram+eagle3": {"method": "ngram+eagle3", "num_speculative_tokens": 8, "prompt_lookup_max": 8},
 }
+EAGLE_HEAD = "~/.cache/specserve/heads/SmolLM2-135M-Instruct-eagle3"
 MT_BENCH = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
 
 
@@ -68,8 +75,26 @@ def delta(after: dict, before: dict) -> dict:
     return d
 
 
+def select_methods(args) -> None:
+    """Keeps the chosen methods (plain always), in order; the eagle ones get the head's path."""
+    from pathlib import Path
+
+    head = Path(args.eagle_head).expanduser()
+    chosen = set(args.methods.split(",")) | {"plain"}
+    for name in list(METHODS):
+        spec = METHODS[name]
+        if name not in chosen or (spec and "eagle" in spec["method"] and not head.is_dir()):
+            if name in chosen:
+                print(f"{name}: no head in {head} (run specserve train-eagle); left out")
+            del METHODS[name]
+        elif spec and "eagle" in spec["method"]:
+            spec["model"] = str(head)
+
+
 def run(args) -> dict:
     cats = categories(args.prompts, args.mt_prompts)
+    if args.categories:
+        cats = {c: p for c, p in cats.items() if c in args.categories.split(",")}
     k_max = max((m or {}).get("num_speculative_tokens", 0) for m in METHODS.values())
     results: dict = defaultdict(dict)  # [category][method] -> figures
     from contextlib import ExitStack
@@ -202,7 +227,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=5, help="prompts per Spec-Bench category")
     ap.add_argument("--mt-prompts", type=int, default=2, help="prompts per MT-Bench category")
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of the methods")
+    ap.add_argument("--categories", default=None, help="comma-separated subset of the categories")
+    ap.add_argument("--eagle-head", default=EAGLE_HEAD)
     args = ap.parse_args()
+    select_methods(args)
     results = run(args)
     (RESULTS / "spec.json").write_text(json.dumps(results, default=str))
     report(results, args)

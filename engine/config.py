@@ -93,7 +93,7 @@ class EngineConfig:
 class SpeculativeConfig:
     """``--speculative-config`` (shaped like vLLM's). ``method`` None: no speculation."""
 
-    method: str | None = None  # ngram | draft_model | early_exit
+    method: str | None = None  # a name of engine.spec_decode.registry.DRAFTERS (ngram, draft_model, early_exit, eagle, ...)
     num_speculative_tokens: int = 4  # k: most drafts per request per step
     prompt_lookup_max: int = 4  # ngram: longest suffix matched
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched

@@ -79,6 +79,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.paged_kv, spec.block_size, device, config.model.seed, attention)
         self.cost_tracker: CostTracker | None = None  # set by _speculation when costs are timed
         self.drafter, self.policy = self._speculation(config, num_blocks, spec, device, dtype, drafter)
+        self.runner.feature_layers = self.drafter.feature_layers if self.drafter else ()
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.eos_token_ids = _eos_ids(hf_config, tokenizer)
         self.stat_loggers: list = []  # callables taking each step's StepStats
@@ -318,6 +319,8 @@ class LLMEngine:
     def _after_step(self, scheduled: SchedulerOutput, plan: StepPlan, result: RunnerOutput, touched, times) -> None:
         """Tell the drafter what was kept, record the plan of the requests that ran, report stats."""
         if self.policy is not None:
+            if result.features:
+                self.drafter.add_features(result.features)
             for s in scheduled.scheduled:
                 rid = s.request_id
                 if rid in plan.decisions:

@@ -77,6 +77,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}  # per seeded request, kept across preemption
         self._grammar_masks: dict[str, torch.Tensor] = {}  # this step's, see execute
         self.fault_hook = None  # tests: called as hook(stage, request_ids); see engine.faults
+        self.feature_layers: tuple[int, ...] = ()  # the drafter's (Drafter.feature_layers)
         torch.manual_seed(seed)
 
     def free(self, request_id: str) -> None:
@@ -98,10 +99,18 @@ class ModelRunner:
         chains = [s.token_ids + tuple(drafts[s.request_id].token_ids if s.request_id in drafts else ()) for s in sched]
         if self.fault_hook:
             self.fault_hook("model", [s.request_id for s in sched])
-        logits, rows, prompt_logprobs = self._forward(sched, chains)
+        logits, rows, prompt_logprobs, features = self._forward(sched, chains)
         if logits is None:
-            return RunnerOutput({}, prompt_logprobs=prompt_logprobs)
-        requests = [self.requests[sched[i].request_id] for i in rows]
+            result = RunnerOutput({}, prompt_logprobs=prompt_logprobs)
+        else:
+            result = self._sample_or_verify(logits, [self.requests[sched[i].request_id] for i in rows], drafts)
+            result.prompt_logprobs = prompt_logprobs
+        if features is not None:
+            result.features = kept_features(features, sched, chains, result)
+        return result
+
+    def _sample_or_verify(self, logits: torch.Tensor, requests: list[RequestState], drafts: dict[str, Draft]) -> RunnerOutput:
+        """logits [R, vocab] of the sampling requests' rows -> their new tokens."""
         if self.fault_hook:
             self.fault_hook("sampler", [r.request_id for r in requests])
         row_drafts = [drafts.get(r.request_id) for r in requests]
@@ -111,7 +120,6 @@ class ModelRunner:
             result = self._verify(logits, requests, row_drafts)
         for rid, tokens in result.sampled.items():
             self.requests[rid].token_ids.extend(tokens)
-        result.prompt_logprobs = prompt_logprobs
         return result
 
     def _apply_changes(self, out: SchedulerOutput) -> None:
@@ -128,22 +136,27 @@ class ModelRunner:
 
     def _forward(self, sched: tuple[ScheduledRequest, ...], chains: list[tuple[int, ...]]):
         """One target pass. Returns logits [R, vocab] of the sampling rows, the
-        index (into ``sched``) of each sampling request, and the prompt logprobs
-        of this step's chunks (``_prompt_logprobs``)."""
+        index (into ``sched``) of each sampling request, the prompt logprobs
+        of this step's chunks (``_prompt_logprobs``), and the drafter's features
+        [T, F] of every token fed (None when it reads none)."""
         query_lens = np.array([len(c) for c in chains], dtype=np.int64)
         input_ids = np.fromiter((t for c in chains for t in c), dtype=np.int64, count=int(query_lens.sum()))
         positions = np.concatenate([np.arange(s.context_len, s.context_len + len(c)) for s, c in zip(sched, chains)])
         specs = [SeqSpec(s.context_len, len(c), self.requests[s.request_id].block_table) for s, c in zip(sched, chains)]
         meta = self.attention.build_metadata(specs, self.block_size, self.device)
-        hidden = self.model(self._t(input_ids), self._t(positions), meta, self.kv)  # [T, hidden]
+        ids, pos = self._t(input_ids), self._t(positions)
+        if self.feature_layers:  # hidden [T, hidden], features [T, F]
+            hidden, features = self.model(ids, pos, meta, self.kv, capture=self.feature_layers)
+        else:
+            hidden, features = self.model(ids, pos, meta, self.kv), None
         prompt_logprobs = self._prompt_logprobs(hidden, sched, query_lens)
         rows = [i for i, s in enumerate(sched) if s.sample]
         if not rows:
-            return None, rows, prompt_logprobs
+            return None, rows, prompt_logprobs, features
         ends = np.cumsum(query_lens)
         # k + 1 rows per sampling request: its last scheduled token and its drafts.
         idx = np.concatenate([np.arange(ends[i] - (len(chains[i]) - len(sched[i].token_ids)) - 1, ends[i]) for i in rows])
-        return self.model.compute_logits(hidden[self._t(idx)]), rows, prompt_logprobs
+        return self.model.compute_logits(hidden[self._t(idx)]), rows, prompt_logprobs, features
 
     def _prompt_logprobs(self, hidden: torch.Tensor, sched, query_lens: np.ndarray) -> dict[str, tuple[int, list]]:
         """Logprobs of the prompt tokens that this step's chunks predict, for the
@@ -298,3 +311,16 @@ def stack_draft_probs(drafts: list[Draft | None], draft_ids: torch.Tensor, vocab
         if d is not None and d.probs is not None:
             q[i, : len(d.token_ids)] = d.probs
     return q
+
+
+def kept_features(features: torch.Tensor, sched, chains, result: RunnerOutput) -> dict[str, tuple[int, torch.Tensor]]:
+    """The drafter's features [T, F] of a step, cut to what each request keeps: its
+    scheduled tokens and, when it sampled, its accepted drafts (request id ->
+    (position of the first, features [n, F]))."""
+    out, start = {}, 0
+    for s, chain in zip(sched, chains):
+        fed = len(chain)
+        kept = len(s.token_ids) + result.num_accepted.get(s.request_id, 0)
+        out[s.request_id] = (s.context_len, features[start : start + kept].clone())
+        start += fed
+    return out

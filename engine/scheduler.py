@@ -86,11 +86,14 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
     num_drafted: dict[str, int] = field(default_factory=dict)  # drafts verified, per request that had any
     num_accepted: dict[str, int] = field(default_factory=dict)
+    # request id -> (first position, features [n, F]) of the kept tokens, for a drafter that reads them
+    features: dict[str, tuple] = field(default_factory=dict)
 
     def merge(self, other: "RunnerOutput") -> None:
         for mine, theirs in ((self.sampled, other.sampled), (self.logprobs, other.logprobs),
                              (self.prompt_logprobs, other.prompt_logprobs),
-                             (self.num_drafted, other.num_drafted), (self.num_accepted, other.num_accepted)):
+                             (self.num_drafted, other.num_drafted), (self.num_accepted, other.num_accepted),
+                             (self.features, other.features)):
             mine.update(theirs)
 
 

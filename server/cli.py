@@ -1,4 +1,4 @@
-"""The ``specserve`` command line: ``serve``, ``generate``, ``fetch-model``.
+"""The ``specserve`` command line: ``serve``, ``generate``, ``fetch-model``, ``train-eagle``.
 
 ``serve`` has one flag per ``ServerSettings`` field (``--max-model-len`` for
 ``max_model_len``); a flag given on the command line wins over the
@@ -31,6 +31,14 @@ def _generate(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     out = llm.chat([{"role": "user", "content": args.prompt}], params)
     print(out.text)
+    return 0
+
+
+def _train_eagle(args) -> int:
+    from drafters.eagle_train import TrainConfig, train
+
+    keys = TrainConfig.__dataclass_fields__
+    print(train(TrainConfig(**{k: v for k, v in vars(args).items() if k in keys and v is not None})))
     return 0
 
 
@@ -91,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=_generate)
+    train = sub.add_parser("train-eagle", help="train an EAGLE-3 head for the model on the CPU (resumes)")
+    train.add_argument("--out", required=True, help="directory of the head (and of its training state)")
+    train.add_argument("--model", default=None)
+    for flag in ("minutes", "max-steps", "batch-size", "seq-len", "draft-vocab", "ttt-steps", "lr", "save-every"):
+        train.add_argument(f"--{flag}", type=float if flag in ("minutes", "lr") else int, default=None)
+    train.set_defaults(func=_train_eagle)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_settings_flags(serve)
     serve.set_defaults(func=_serve)

@@ -112,13 +112,25 @@ class LlamaForCausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache, num_layers=None):
-        """input_ids [T], positions [T] -> final-normed hidden states [T, hidden]."""
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache, num_layers=None, capture=()):
+        """input_ids [T], positions [T] -> final-normed hidden states [T, hidden].
+
+        ``capture`` (layer ids; EAGLE drafters): also return the hidden states entering
+        each of those layers, id ``num_hidden_layers`` meaning the final-normed output,
+        concatenated in that order: ``(hidden [T, hidden], features [T, len(capture) * hidden])``.
+        """
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary(positions, hidden.dtype)
-        for layer in self.layers[:num_layers]:
+        taken = {}
+        for i, layer in enumerate(self.layers[:num_layers]):
+            if i in capture:
+                taken[i] = hidden
             hidden = layer(rope, hidden, meta, kv_cache)
-        return self.norm(hidden)
+        hidden = self.norm(hidden)
+        if not capture:
+            return hidden
+        taken[len(self.layers)] = hidden
+        return hidden, torch.cat([taken[i] for i in capture], dim=-1)
 
     def prepack(self) -> None:
         """Weights are final: let the linear layers reorder them for the CPU kernels,

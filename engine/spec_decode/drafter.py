@@ -53,6 +53,14 @@ class Drafter(ABC):
     def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
         """Drafts for some of the slots (a request may get none), keyed by request id."""
 
+    #: Target layer ids whose hidden states the drafter reads (see ``LlamaForCausalLM.forward``'s
+    #: ``capture``); the engine then hands it those of every committed position via ``add_features``.
+    feature_layers: tuple[int, ...] = ()
+
+    def add_features(self, features: dict[str, tuple[int, torch.Tensor]]) -> None:
+        """After a step: request id -> (first position, features [n, F]) of the positions the
+        target computed and kept this step (prefill chunks and accepted drafts)."""
+
     def commit(self, request: "Request") -> None:
         """``request.token_ids`` are final up to their current length; called after every step."""
 

@@ -16,6 +16,10 @@ DRAFTERS: dict[str, str] = {
     "ngram": "drafters.ngram:build",
     "draft_model": "drafters.draft_model:build",
     "early_exit": "drafters.early_exit:build",
+    "eagle": "drafters.eagle:build_eagle",
+    "eagle3": "drafters.eagle:build_eagle3",
+    "ngram+eagle": "drafters.combined:build_ngram_eagle",
+    "ngram+eagle3": "drafters.combined:build_ngram_eagle3",
 }
 
 

@@ -1,0 +1,166 @@
+"""EAGLE drafting: a one-layer head over the target's own features (``drafters.eagle_head``).
+
+The target pass that verifies a round also captures, at every token it keeps, the
+features the head reads (``feature_layers``); the engine hands them over with
+``add_features``, so drafting costs no extra target pass. Pair p of the head's
+sequence is ``(feature f_p, token t_{p+1})``; after a round that committed
+``t_0 .. t_{L-1}`` the target has computed ``f_0 .. f_{L-2}``, so pairs up to
+``L - 2`` are known (the last one is new each round: its token is the round's
+correction or bonus token).
+
+Each step ``propose`` first feeds the pending pairs, batched over the requests,
+and drafts ``d_1`` from the last one's output; then each further draft feeds
+``(the head's own output, d_j)``, the head's stand-in for the feature the target
+has not computed. Cache after drafting: the known pairs, then ``k - 1`` guessed
+ones. ``commit`` rolls the guessed ones back (``KVCacheManager.truncate``, as
+``draft_model`` does): the target's real features replace them next round.
+
+A request whose features start after a gap (its prefix came from the prefix cache,
+or the drafter dropped it after a failure) starts the head's sequence afresh there:
+the head then sees less context, which costs acceptance, never exactness. Head
+positions count from the first pair it holds.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.spec_decode.drafter import Draft, DraftSlot
+from drafters.draft_model import SamplingDrafter
+from drafters.eagle_head import EagleHead, load_eagle_head
+from engine.attention import SeqSpec, build_attention_metadata
+from kvcache import KVCacheManager
+from kvcache.tensors import KVSpec, PagedKV
+
+
+@dataclass
+class _HeadState:
+    """One request's place in the head's sequence."""
+
+    base: int  # target position of the head's pair 0
+    num_cached: int = 0  # pairs with real features in the head's cache: positions base .. base + num_cached - 1
+    pending: list[torch.Tensor] = field(default_factory=list)  # features [n, F] of the next positions, in order
+
+    @property
+    def next_position(self) -> int:
+        return self.base + self.num_cached + sum(len(f) for f in self.pending)
+
+
+class EagleDrafter(SamplingDrafter):
+    def __init__(self, head: EagleHead, num_blocks: int, block_size: int, dtype, device, cost_per_token: float):
+        super().__init__(device)
+        self.head, self.block_size = head, block_size
+        self.feature_layers = head.feature_layers
+        cfg = head.config
+        self.kv = KVCacheManager(num_blocks, block_size)
+        self.paged = PagedKV(KVSpec(1, cfg.num_key_value_heads, head.head_dim, block_size, dtype), num_blocks, device)
+        self.cost_per_token = cost_per_token
+        self.states: dict[str, _HeadState] = {}
+
+    def add_features(self, features: dict[str, tuple[int, torch.Tensor]]) -> None:
+        for rid, (start, feats) in features.items():
+            st = self.states.get(rid)
+            if st is None or start > st.next_position:  # a gap: start the head's sequence here
+                self.free(rid)
+                st = self.states[rid] = _HeadState(base=start)
+            skip = st.next_position - start  # recomputed after a preemption: known already
+            if skip < len(feats):
+                st.pending.append(feats[skip:])
+
+    def context_class(self, request) -> int | None:
+        st = self.states.get(request.request_id)
+        return 0 if st is not None and st.pending else None  # nothing to draft from before the first features
+
+    @torch.inference_mode()
+    def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
+        live = [s for s in slots if s.num_tokens > 0 and self._has_pending(s.request.request_id)]
+        drafts: dict[str, list[int]] = {s.request.request_id: [] for s in live}
+        probs: dict[str, list[torch.Tensor]] = {s.request.request_id: [] for s in live}
+        hidden = None  # [n, H] the head's last output per live request
+        for step in range(max((s.num_tokens for s in live), default=0)):
+            keep = [i for i, s in enumerate(live) if len(drafts[s.request.request_id]) < s.num_tokens]
+            live, hidden = [live[i] for i in keep], None if hidden is None else hidden[keep]
+            feeds = self._feeds(live, drafts, hidden)
+            if not live or not self._reserve(live, feeds):
+                break
+            out = self._forward(live, feeds)  # [n, H]
+            if step == 0:
+                self._ingested(live, feeds)
+            q, tokens = self._sample(self.head.draft_logits(out), [s.request for s in live], drafts)
+            for i, s in enumerate(live):
+                drafts[s.request.request_id].append(tokens[i])
+                probs[s.request.request_id].append(q[i])
+            hidden = out
+        return {rid: Draft(toks, torch.stack(probs[rid])) for rid, toks in drafts.items() if toks}
+
+    def _has_pending(self, rid: str) -> bool:
+        st = self.states.get(rid)
+        return st is not None and bool(st.pending)
+
+    def _feeds(self, live: list[DraftSlot], drafts, hidden) -> list[tuple[list[int], torch.Tensor, int]]:
+        """Per live request: (token ids, hidden [n, H], head position of the first). Step 0
+        feeds the pending pairs (target features, fused); later steps one guessed pair."""
+        feeds = []
+        for i, s in enumerate(live):
+            rid, st = s.request.request_id, self.states[s.request.request_id]
+            ids = s.request.token_ids
+            if hidden is None:
+                first = st.base + st.num_cached  # target position of the first pending feature
+                tokens = list(ids[first + 1 : first + 1 + sum(len(f) for f in st.pending)])
+                feats = torch.cat(st.pending)[: len(tokens)]  # [n, F]
+                feeds.append((tokens, self.head.fuse(feats), st.num_cached))
+            else:
+                d = drafts[rid]
+                feeds.append(([d[-1]], hidden[i : i + 1], st.num_cached + len(d) - 1))
+        return feeds
+
+    def _reserve(self, live, feeds) -> bool:
+        """KV slots for every feed; False (draft no further) when the pool is out of blocks."""
+        return all(self.kv.allocate_slots(s.request.request_id, pos + len(ids)) for s, (ids, _, pos) in zip(live, feeds))
+
+    def _ingested(self, live, feeds) -> None:
+        """The pending pairs are in the head's cache now, for good."""
+        for s, (ids, _, _) in zip(live, feeds):
+            st = self.states[s.request.request_id]
+            st.num_cached += len(ids)
+            st.pending.clear()
+
+    def _forward(self, live: list[DraftSlot], feeds) -> torch.Tensor:
+        """One batched head pass; the output [n, H] at each request's last fed pair."""
+        specs = [SeqSpec(pos, len(ids), self.kv.block_table(s.request.request_id)) for s, (ids, _, pos) in zip(live, feeds)]
+        meta = build_attention_metadata(specs, self.block_size, self.device)
+        t = lambda a: torch.tensor(a, dtype=torch.long, device=self.device)  # noqa: E731
+        ids = t([tok for f in feeds for tok in f[0]])
+        positions = t([p for f in feeds for p in range(f[2], f[2] + len(f[0]))])
+        out = self.head(ids, torch.cat([f[1] for f in feeds]), positions, meta, self.paged)  # [T, H]
+        return out[t(np.cumsum([len(f[0]) for f in feeds]) - 1)]
+
+    def commit(self, request) -> None:
+        st = self.states.get(request.request_id)
+        if st is not None:  # drop the guessed pairs: real features replace them
+            self.kv.truncate(request.request_id, st.num_cached)
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        self.states.pop(request_id, None)
+        self.kv.free(request_id)
+
+
+def eagle_factory(kind: str):
+    def factory(spec, *, target, num_blocks, block_size, dtype, device, **_) -> EagleDrafter:
+        from engine.model_store import resolve_model
+
+        if not spec.model:
+            raise ValueError(f'speculative method "{kind}" needs "model": a local directory with an {kind} head')
+        path = resolve_model(spec.model)
+        head = load_eagle_head(path, kind, target, dtype, device, target.rotary.cos.shape[0])
+        cost = head.num_parameters() / sum(p.numel() for p in target.parameters())
+        return EagleDrafter(head, num_blocks, block_size, dtype, device, cost)
+
+    factory.__doc__ = f"An {kind} head reading the target's features (drafters.eagle_head)."
+    return factory
+
+
+build_eagle = eagle_factory("eagle")  # the registry's names (engine.spec_decode.registry)
+build_eagle3 = eagle_factory("eagle3")

@@ -1,0 +1,264 @@
+"""``specserve train-eagle``: trains an EAGLE-3 head for a target on the CPU.
+
+Data: the Python documentation topics that CPython ships (``pydoc_data.topics``), each
+put in the target's chat template as a user question and an assistant answer, cut
+into sequences of ``seq_len`` tokens. Labels are the target's own: for every batch the
+target runs once (no gradient) and gives the three features the head reads and its
+next-token distribution, restricted to the draft vocabulary (the ``draft_vocab`` most
+frequent tokens of the corpus) and renormalized.
+
+Loss: EAGLE-3's training-time test over ``ttt_steps`` steps. Step 0 is the head over
+the target's pairs ``(f_b, t_{b+1})``, predicting ``t_{b+2}``; step j feeds the head's
+own output of step j - 1 with token ``t_{b+1+j}`` at position ``b + j``, attending to the
+step-0 keys up to b and to its own chain's keys of steps 1 .. j, as drafting does.
+Each step's soft cross-entropy against the target's distribution, weighted 0.8^j.
+
+Every ``save_every`` steps the head is written in the published EAGLE-3 format (the
+loader reads it), with ``train/state.safetensors`` (weights, Adam moments, step) and
+``train_log.json``; a rerun with the same ``--out`` resumes from there. The loss curve
+is ``loss.png``. No pickle is written or read.
+"""
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from drafters.eagle_head import EagleHead, save_eagle_head
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    out: str
+    model: str | None = None  # the target; None: the default model
+    minutes: float = 28.0  # wall-time budget of this run (resumed runs get it afresh)
+    max_steps: int = 2000
+    batch_size: int = 4
+    seq_len: int = 256
+    draft_vocab: int = 8192
+    ttt_steps: int = 3
+    lr: float = 1e-3
+    warmup: int = 10
+    save_every: int = 10
+    seed: int = 0
+
+
+def corpus(tokenizer, seq_len: int) -> list[list[int]]:
+    """Token sequences of ``seq_len`` from the stdlib's documentation topics, as chats."""
+    from pydoc_data.topics import topics
+
+    tokens: list[int] = []
+    for name in sorted(topics):
+        chat = [
+            {"role": "user", "content": f"Explain the Python topic '{name}'."},
+            {"role": "assistant", "content": topics[name].strip()},
+        ]
+        ids = tokenizer.apply_chat_template(chat, tokenize=True)
+        tokens.extend(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return [tokens[i : i + seq_len] for i in range(0, len(tokens) - seq_len + 1, seq_len)]
+
+
+def draft_vocabulary(sequences: list[list[int]], vocab: int, size: int) -> torch.Tensor:
+    """The ``size`` most frequent corpus tokens (ties: lower ids first), sorted [size]."""
+    counts = torch.bincount(torch.tensor([t for s in sequences for t in s]), minlength=vocab).double()
+    score = counts - torch.arange(vocab, dtype=torch.float64) / vocab  # ties: low ids, the frequent merges
+    return score.topk(min(size, vocab)).indices.sort().values
+
+
+def new_head(target, draft_ids: torch.Tensor) -> EagleHead:
+    """An EAGLE-3 head shaped like one target layer; its norm and lm_head start as the
+    target's (restricted to the draft vocabulary), its fc as "take the high layer"."""
+    from transformers import LlamaConfig
+
+    cfg = target.config
+    L = cfg.num_hidden_layers
+    head_cfg = LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=1, num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+        rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"],
+        draft_vocab_size=len(draft_ids), tie_word_embeddings=False,
+    )
+    head = EagleHead(head_cfg, "eagle3", target, cfg.max_position_embeddings, (2, L // 2, L - 3))
+    H = cfg.hidden_size
+    with torch.no_grad():
+        head.draft_to_target.copy_(draft_ids)
+        head.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
+        head.norm.weight.copy_(target.norm.weight)
+        head.fc.weight.zero_()
+        head.fc.weight[:, 2 * H :] = torch.eye(H)
+        head.o_proj.weight.mul_(0.1)
+        head.down_proj.weight.mul_(0.1)
+    for p in head.parameters():
+        p.requires_grad_(True)
+    return head
+
+
+@torch.no_grad()
+def target_labels(target, batch: torch.Tensor, layers, draft_ids, kv, block_size: int):
+    """batch [B, N] -> (features [B, N, 3H], target's next-token probs over the draft vocab [B, N, D])."""
+    from engine.attention import SeqSpec, build_attention_metadata
+
+    B, N = batch.shape
+    per = N // block_size
+    specs = [SeqSpec(0, N, list(range(i * per, (i + 1) * per))) for i in range(B)]
+    meta = build_attention_metadata(specs, block_size)
+    hidden, feats = target(batch.reshape(-1), torch.arange(N).repeat(B), meta, kv, capture=layers)
+    probs = torch.softmax(target.compute_logits(hidden)[:, draft_ids], dim=-1)  # [B*N, D]
+    return feats.view(B, N, -1), probs.view(B, N, -1)
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """q [B, n, Hq, D]; keys/values of steps 0 .. j, step i [B, N - 1 - i, KVH, D] -> [B, n, Hq * D].
+
+    Query b attends to step-0 keys 0 .. b and to key b of each later step (its own chain)."""
+    B, n, Hq, D = q.shape
+    rep = Hq // keys[0].shape[2]
+    k0, v0 = (t.repeat_interleave(rep, dim=2).transpose(1, 2) for t in (keys[0], values[0]))  # [B, Hq, N-1, D]
+    qt = q.transpose(1, 2)  # [B, Hq, n, D]
+    causal = torch.arange(k0.shape[2])[None, :] <= torch.arange(n)[:, None]  # [n, N-1]
+    scores = [(qt @ k0.transpose(-1, -2)).masked_fill(~causal, float("-inf"))]
+    own = [(k[:, :n].repeat_interleave(rep, dim=2).transpose(1, 2), v[:, :n].repeat_interleave(rep, dim=2).transpose(1, 2))
+           for k, v in zip(keys[1:], values[1:])]
+    scores += [(qt * k).sum(-1, keepdim=True) for k, _ in own]  # [B, Hq, n, 1] each
+    probs = torch.softmax(torch.cat(scores, dim=-1) / math.sqrt(D), dim=-1)
+    out = probs[..., : k0.shape[2]] @ v0
+    for i, (_, v) in enumerate(own):
+        out = out + probs[..., k0.shape[2] + i : k0.shape[2] + i + 1] * v
+    return out.transpose(1, 2).reshape(B, n, Hq * D)
+
+
+def ttt_loss(head: EagleHead, feats, tokens, target_p, steps: int):
+    """feats [B, N, 3H], tokens [B, N], target_p [B, N, D] -> (loss, top-1 agreement per step)."""
+    B, N = tokens.shape
+    hidden = head.fc(feats[:, :-1])  # [B, N-1, H]: pairs b = 0 .. N-2
+    keys, values, total, accs = [], [], 0.0, []
+    for j in range(steps):
+        n = N - 1 - j
+        ids = tokens[:, 1 + j : 1 + j + n]
+        residual, x = head.layer_inputs(ids.reshape(-1), hidden[:, :n].reshape(B * n, -1))
+        q, k, v = head.qkv(x, (torch.arange(n) + j).repeat(B))
+        keys.append(k.view(B, n, *k.shape[1:]))
+        values.append(v.view(B, n, *v.shape[1:]))
+        attn = ttt_attention(q.view(B, n, *q.shape[1:]), keys, values)
+        out = head.finish(residual, attn.reshape(B * n, -1)).view(B, n, -1)
+        logp = F.log_softmax(head.lm_head(head.norm(out)).float(), dim=-1)  # [B, n, D]
+        tp = target_p[:, 1 + j : 1 + j + n]
+        total = total + 0.8**j * -(tp * logp).sum(-1).mean()
+        accs.append((logp.argmax(-1) == tp.argmax(-1)).float().mean().item())
+        hidden = out
+    return total, accs
+
+
+def train(cfg: TrainConfig) -> Path:
+    """Trains (or resumes) the head in ``cfg.out``; returns that directory."""
+    from tqdm import tqdm
+
+    from engine.loader import load_model, load_tokenizer
+    from engine.model_store import resolve_model
+    from kvcache.tensors import KVSpec, PagedKV
+    from engine.models.llama import head_dim_of
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = resolve_model(cfg.model)
+    target = load_model(path, torch.float32, torch.device("cpu"), max_positions=cfg.seq_len)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    sequences = corpus(load_tokenizer(path), cfg.seq_len)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    order = torch.randperm(len(sequences), generator=gen).tolist()
+    state = _load_state(out)
+    draft_ids = state["draft_ids"] if state else draft_vocabulary(sequences, target.config.vocab_size, cfg.draft_vocab)
+    head = new_head(target, draft_ids)
+    opt = torch.optim.AdamW([p for p in head.parameters()], lr=cfg.lr, weight_decay=0.0)
+    log = {"config": asdict(cfg), "steps": [], "loss": [], "acc": [], "elapsed_s": 0.0}
+    if state:
+        _restore(head, opt, state)
+        log = json.loads((out / "train_log.json").read_text())
+    tc = target.config
+    block = 16
+    kv = PagedKV(KVSpec(tc.num_hidden_layers, tc.num_key_value_heads, head_dim_of(tc), block, torch.float32),
+                 cfg.batch_size * cfg.seq_len // block, "cpu")
+    step = log["steps"][-1] + 1 if log["steps"] else 0
+    start, spent = time.monotonic(), log["elapsed_s"]
+    bar = tqdm(total=cfg.max_steps, initial=step, desc="train-eagle", unit="step")
+    while step < cfg.max_steps and time.monotonic() - start < cfg.minutes * 60:
+        idx = [order[(step * cfg.batch_size + i) % len(order)] for i in range(cfg.batch_size)]
+        batch = torch.tensor([sequences[i] for i in idx])  # [B, N]
+        feats, target_p = target_labels(target, batch, head.feature_layers, draft_ids, kv, block)
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
+        loss, accs = ttt_loss(head, feats, batch, target_p, cfg.ttt_steps)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        log["steps"].append(step)
+        log["loss"].append(loss.item())
+        log["acc"].append(accs)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", acc=" ".join(f"{a:.2f}" for a in accs))
+        step += 1
+        if step % cfg.save_every == 0:
+            log["elapsed_s"] = spent + time.monotonic() - start
+            _save(out, head, opt, draft_ids, log)
+    bar.close()
+    log["elapsed_s"] = spent + time.monotonic() - start
+    _save(out, head, opt, draft_ids, log)
+    return out
+
+
+def _save(out: Path, head: EagleHead, opt, draft_ids: torch.Tensor, log: dict) -> None:
+    """The head in its published format, the resumable state, the log and the loss curve."""
+    from safetensors.torch import save_file
+
+    save_eagle_head(head, out)
+    tensors = {"draft_ids": draft_ids.clone()}
+    for name, p in head.named_parameters():
+        tensors[f"param.{name}"] = p.detach().clone()
+        st = opt.state.get(p)
+        if st:
+            tensors[f"exp_avg.{name}"], tensors[f"exp_avg_sq.{name}"] = st["exp_avg"], st["exp_avg_sq"]
+            tensors[f"step.{name}"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
+    (out / "train").mkdir(exist_ok=True)  # not a *.safetensors of the head's directory: the loader reads those
+    save_file(tensors, str(out / "train" / "state.tmp"))
+    (out / "train" / "state.tmp").replace(out / "train" / "state.safetensors")
+    (out / "train_log.json").write_text(json.dumps(log))
+    _plot(out / "loss.png", log)
+
+
+def _load_state(out: Path) -> dict | None:
+    from safetensors.torch import load_file
+
+    file = out / "train" / "state.safetensors"
+    return load_file(str(file)) if file.is_file() and (out / "train_log.json").is_file() else None
+
+
+def _restore(head: EagleHead, opt, state: dict) -> None:
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_(state[f"param.{name}"])
+            if f"exp_avg.{name}" in state:
+                opt.state[p] = {"step": state[f"step.{name}"][0].clone(), "exp_avg": state[f"exp_avg.{name}"],
+                                "exp_avg_sq": state[f"exp_avg_sq.{name}"]}
+
+
+def _plot(file: Path, log: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(log["steps"], log["loss"], lw=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training-time-test loss")
+    ax.set_title("train-eagle: EAGLE-3 head")
+    fig.tight_layout()
+    fig.savefig(file, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,175 @@
+"""EAGLE heads: the loader reads the published formats and refuses a head that does not
+fit its target; drafting from the verification pass's own features drafts exactly what
+the head predicts from the committed context (nothing of a rejected round survives),
+and never changes greedy output."""
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from drafters.eagle_head import load_eagle_head
+from engine.attention import SeqSpec, build_attention_metadata
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
+from engine.llm_engine import LLMEngine
+from engine.models.llama import LlamaForCausalLM, head_dim_of
+from kvcache.tensors import KVSpec, PagedKV
+from tests.engine_core.engine_helpers import greedy
+from tests.spec.eagle_heads import write_random_head
+
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 3, 9, 3, 7], [4, 4, 4, 11, 2, 8, 1]]
+
+
+def small_target(vocab_size: int = 16, layers: int = 6, seed: int = 0) -> LlamaForCausalLM:
+    """A random Llama of a small vocabulary: a random head's drafts are then accepted now and then."""
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    gen = torch.Generator().manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            std = 1.0 if "embed" in name or "lm_head" in name else p.shape[-1] ** -0.5
+            p.copy_(torch.ones_like(p) if "norm" in name else torch.randn(p.shape, generator=gen) * std)
+    return model.eval()
+
+
+def eagle_engine(model, method=None, head=None, k: int = 3) -> LLMEngine:
+    spec = SpeculativeConfig(method=method, model=str(head), num_speculative_tokens=k, adaptive=False, verify_cost=0.05)
+    config = EngineConfig(ModelConfig(max_model_len=128, dtype="float32", device="cpu"), CacheConfig(num_blocks=64),
+                          speculative=spec if method else SpeculativeConfig())
+    return LLMEngine(config, model=model, tokenizer=None)
+
+
+def run(engine, prompts, max_tokens=30) -> list[list[int]]:
+    reqs = [engine.add_request(f"r{i}", p, greedy(max_tokens)) for i, p in enumerate(prompts)]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_token_ids for r in reqs]
+
+
+KINDS = [("eagle", {}), ("eagle3", {"draft_vocab": 12})]
+
+
+@pytest.mark.parametrize("kind,kw", KINDS, ids=["eagle", "eagle3"])
+def test_greedy_output_is_plain_decoding(tmp_path, kind, kw):
+    model = small_target()
+    head = write_random_head(model, kind, tmp_path / kind, **kw)
+    engine = eagle_engine(model, kind, head)
+    drafted = []
+    engine.stat_loggers.append(lambda s: drafted.append((s.spec.num_draft_tokens, s.spec.num_accepted_tokens)))
+    assert run(engine, PROMPTS) == run(eagle_engine(model), PROMPTS)
+    assert sum(d for d, _ in drafted) > 50 and 0 < sum(a for _, a in drafted)
+
+
+@torch.inference_mode()
+def fresh_drafts(model, head, context: list[int], k: int) -> list[int]:
+    """The head's greedy chain after ``context``, computed from scratch: the target's
+    features of a fresh prefill, every pair fed at once, then k - 1 guessed pairs."""
+    cfg = model.config
+    kv = PagedKV(KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), 16, torch.float32), 16, "cpu")
+    n = len(context) - 1  # pairs (f_p, t_{p+1}) for p < n
+    meta = build_attention_metadata([SeqSpec(0, n, list(range(16)))], 16)
+    _, feats = model(torch.tensor(context[:-1]), torch.arange(n), meta, kv, capture=head.feature_layers)
+    hkv = PagedKV(KVSpec(1, head.num_kv_heads, head.head_dim, 16, torch.float32), 16, "cpu")
+    ids, hidden, pos, drafts = torch.tensor(context[1:]), head.fuse(feats), torch.arange(n), []
+    for _ in range(k):
+        meta = build_attention_metadata([SeqSpec(int(pos[0]), len(ids), list(range(16)))], 16)
+        out = head(ids, hidden, pos, meta, hkv)[-1:]
+        drafts.append(int(head.draft_logits(out).argmax(-1)))
+        ids, hidden, pos = torch.tensor(drafts[-1:]), out, pos[-1:] + 1
+    return drafts
+
+
+@pytest.mark.parametrize("kind,kw", KINDS, ids=["eagle", "eagle3"])
+def test_drafts_are_the_heads_predictions_from_the_committed_context(tmp_path, kind, kw):
+    """Every round's drafts equal a from-scratch computation over the committed tokens:
+    the features handed over, the pairs fed and the rollback of guessed pairs are right."""
+    model = small_target()
+    engine = eagle_engine(model, kind, write_random_head(model, kind, tmp_path / kind, **kw))
+    rounds, propose = [], engine.drafter.propose
+
+    def record(slots):
+        drafts = propose(slots)
+        rounds.extend((list(s.request.token_ids), drafts[s.request.request_id].token_ids) for s in slots
+                      if s.request.request_id in drafts)
+        return drafts
+
+    engine.drafter.propose = record
+    run(engine, PROMPTS[:2], max_tokens=24)
+    assert len(rounds) >= 10
+    head = engine.drafter.head
+    for context, drafts in rounds:
+        assert drafts == fresh_drafts(model, head, context, len(drafts))
+
+
+def edit_config(path, **changes):
+    file = path / "config.json"
+    config = json.loads(file.read_text())
+    config.update(changes)
+    file.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda p: edit_config(p, hidden_size=32), "hidden size 32 differs"),
+        (lambda p: edit_config(p, vocab_size=99), "vocabulary of 99 differs"),
+        (lambda p: edit_config(p, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 9]}), "feature layer ids"),
+        (lambda p: edit_config(p, intermediate_size=64), "has shape"),
+        (lambda p: (p / "model.safetensors").rename(p / "pytorch_model.bin"), "never loaded"),
+    ],
+    ids=["hidden", "vocab", "layers", "shape", "pickle"],
+)
+def test_a_head_that_does_not_fit_is_refused_at_start_up(tmp_path, change, message):
+    model = small_target()
+    path = write_random_head(model, "eagle3", tmp_path / "head", draft_vocab=12)
+    change(path)
+    with pytest.raises(ValueError, match=message):
+        eagle_engine(model, "eagle3", path)
+
+
+def test_a_reduced_vocabulary_drafts_only_its_tokens(tmp_path):
+    model = small_target()
+    head = load_eagle_head(write_random_head(model, "eagle3", tmp_path / "h", draft_vocab=5), "eagle3",
+                           model, torch.float32, "cpu", 256)
+    logits = head.draft_logits(torch.randn(7, 64))  # [7, vocab]
+    allowed = torch.zeros(16, dtype=torch.bool)
+    allowed[head.draft_to_target] = True
+    assert torch.isinf(logits[:, ~allowed]).all() and torch.isfinite(logits[:, allowed]).all()
+    assert allowed.sum() == 5
+
+
+def test_the_combination_is_exact_and_uses_both_drafters(tmp_path):
+    model = small_target()
+    engine = eagle_engine(model, "ngram+eagle3", write_random_head(model, "eagle3", tmp_path / "h", draft_vocab=12))
+    used, propose = {"ngram": 0, "eagle": 0}, {n: getattr(engine.drafter, n).propose for n in ("ngram", "eagle")}
+    for name in used:
+        def count(slots, name=name):
+            used[name] += len(slots)
+            return propose[name](slots)
+        setattr(getattr(engine.drafter, name), "propose", count)
+    prompts = PROMPTS + [[5, 6, 7, 8] * 6]  # repetitive: prompt lookup matches
+    assert run(engine, prompts) == run(eagle_engine(model), prompts)
+    assert used["ngram"] > 0 and used["eagle"] > 0
+
+
+def test_the_combination_picks_by_past_records(tmp_path):
+    from drafters.combined import EAGLE_CLASS, _Record
+
+    model = small_target()
+    engine = eagle_engine(model, "ngram+eagle3", write_random_head(model, "eagle3", tmp_path / "h", draft_vocab=12))
+    drafter = engine.drafter
+    req = engine.add_request("r", list(range(16)), greedy(8))
+    engine.step()  # prefill: the head has the prompt's features; every token occurred before
+    assert drafter.ngram.context_class(req) is not None
+    assert drafter.context_class(req) == drafter.ngram.context_class(req)  # no record yet: lookup is tried
+    n = drafter.ngram.context_class(req)
+    drafter.records[n] = _Record(drafted=4.0, accepted=0.0, rounds=10)
+    drafter.records[EAGLE_CLASS] = _Record(drafted=3.0, accepted=2.0, rounds=10)
+    assert drafter.context_class(req) == EAGLE_CLASS
+    drafter.records[n] = _Record(drafted=4.0, accepted=3.0, rounds=10)
+    assert drafter.context_class(req) == n
+    while engine.has_unfinished():
+        engine.step()

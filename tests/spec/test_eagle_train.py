@@ -1,0 +1,98 @@
+"""train-eagle's pieces on a tiny target: the training-time-test loss learns, the head
+it writes is read by the loader and drafts without changing greedy output, and the
+saved training state resumes exactly. The trained head of the default model, when
+one exists, keeps greedy output identical too."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafters.eagle_train import _load_state, _restore, _save, new_head, target_labels, ttt_loss
+from engine.models.llama import head_dim_of
+from kvcache.tensors import KVSpec, PagedKV
+from tests.spec.test_eagle import PROMPTS, eagle_engine, run, small_target
+
+TRAINED = Path("~/.cache/specserve/heads/SmolLM2-135M-Instruct-eagle3").expanduser()
+
+
+def batch_and_labels(target, head, seed=0):
+    batch = torch.randint(0, 16, (2, 32), generator=torch.Generator().manual_seed(seed))
+    cfg = target.config
+    kv = PagedKV(KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), 16, torch.float32), 4, "cpu")
+    feats, probs = target_labels(target, batch, head.feature_layers, head.draft_to_target, kv, 16)
+    return batch, feats, probs
+
+
+def test_training_lowers_the_loss_and_writes_a_head_the_engine_drafts_with(tmp_path):
+    target = small_target()
+    head = new_head(target, torch.arange(0, 16, 2))
+    batch, feats, probs = batch_and_labels(target, head)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        loss, accs = ttt_loss(head, feats, batch, probs, steps=3)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert len(accs) == 3 and losses[-1] < 0.7 * losses[0]
+    _save(tmp_path, head, opt, head.draft_to_target, {"steps": [0], "loss": losses[:1], "acc": [], "elapsed_s": 0})
+    assert (tmp_path / "loss.png").is_file()
+    assert run(eagle_engine(target, "eagle3", tmp_path), PROMPTS) == run(eagle_engine(target), PROMPTS)
+
+
+def test_the_saved_state_resumes_exactly(tmp_path):
+    target = small_target()
+    head = new_head(target, torch.arange(0, 16, 2))
+    batch, feats, probs = batch_and_labels(target, head)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        ttt_loss(head, feats, batch, probs, steps=2)[0].backward()
+        opt.step()
+    _save(tmp_path, head, opt, head.draft_to_target, {"steps": [0, 1], "loss": [1.0, 0.5], "acc": [], "elapsed_s": 1.0})
+    state = _load_state(tmp_path)
+    twin = new_head(target, state["draft_ids"])
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=3e-3)
+    _restore(twin, twin_opt, state)
+    for model, o in ((head, opt), (twin, twin_opt)):  # one more step each: identical
+        o.zero_grad()
+        ttt_loss(model, feats, batch, probs, steps=2)[0].backward()
+        o.step()
+    for (name, a), b in zip(head.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TRAINED.is_dir(), reason="no trained head: specserve train-eagle --out " + str(TRAINED))
+def test_the_trained_head_keeps_greedy_output_on_the_default_model(make_engine, default_engine):
+    from engine.config import SpeculativeConfig
+
+    tok = default_engine.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q in ("What is a prime number?", "Write a haiku about rivers.")]
+    prompts = [p["input_ids"] if hasattr(p, "keys") else p for p in prompts]
+    spec = SpeculativeConfig(method="eagle3", model=str(TRAINED), num_speculative_tokens=4, verify_cost=0.05)
+    assert run(make_engine(speculative=spec), prompts, 48) == run(default_engine, prompts, 48)
+
+
+def test_training_step_zero_computes_what_drafting_computes():
+    """The loss of the training-time test's first step equals the same soft cross-entropy
+    computed with the head's paged drafting pass over the same pairs."""
+    from engine.attention import SeqSpec, build_attention_metadata
+
+    target = small_target()
+    head = new_head(target, torch.arange(0, 16, 2))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+    batch, feats, probs = batch_and_labels(target, head)
+    loss, _ = ttt_loss(head, feats, batch, probs, steps=1)
+    kv = PagedKV(KVSpec(1, head.num_kv_heads, head.head_dim, 16, torch.float32), 8, "cpu")
+    n = batch.shape[1] - 1
+    meta = build_attention_metadata([SeqSpec(0, n, [0, 1]), SeqSpec(0, n, [2, 3])], 16)
+    with torch.no_grad():
+        out = head(batch[:, 1:].reshape(-1), head.fuse(feats[:, :-1].reshape(2 * n, -1)), torch.arange(n).repeat(2), meta, kv)
+        logp = torch.log_softmax(head.draft_logits(out)[:, head.draft_to_target], -1).view(2, n, -1)
+    torch.testing.assert_close(-(probs[:, 1:] * logp).sum(-1).mean(), loss.detach(), rtol=1e-4, atol=1e-4)
