@@ -66,7 +66,8 @@ class LLMEngine:
         self.max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
         attention = select_backend(config.model.attention_backend, device, dtype)  # GPU path: engine.attention.backends
         block_size = attention.block_size(config.cache.block_size)
-        kv_heads = model.layers[0].self_attn.num_kv_heads  # this rank's (all of them at tensor_parallel_size 1)
+        # This rank's KV heads (all of them at tensor_parallel_size 1; test models may have no layers).
+        kv_heads = model.layers[0].self_attn.num_kv_heads if hasattr(model, "layers") else hf_config.num_key_value_heads
         spec = KVSpec(hf_config.num_hidden_layers, kv_heads, head_dim_of(hf_config), block_size, dtype)
         num_blocks = num_kv_blocks(config, spec, model, attention, device, self.max_model_len)  # GPU path: engine.gpu_memory
         if num_blocks < blocks_needed(self.max_model_len, spec.block_size):

@@ -131,8 +131,11 @@ class ModelRunner:
             st = self.requests[s.request_id]
             del st.block_table[s.block_start :]
             st.block_table.extend(s.new_block_ids)
-            del st.token_ids[s.context_len :]
-            st.token_ids.extend(s.token_ids)
+            # The prompt came whole with the request (prompt logprobs score a chunk against the
+            # next one's first token); past the prompt, what follows this chunk is stale.
+            end = s.context_len + len(s.token_ids)
+            st.token_ids[s.context_len : end] = s.token_ids
+            del st.token_ids[max(end, st.num_prompt_tokens) :]
 
     def _forward(self, sched: tuple[ScheduledRequest, ...], chains: list[tuple[int, ...]]):
         """One target pass. Returns logits [R, vocab] of the sampling rows, the
