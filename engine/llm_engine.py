@@ -25,6 +25,7 @@ from engine.runner import ModelRunner
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput, no_drafts
 from engine.spec_policy import SpecPolicy, StepCosts
+from engine.tree import is_chain, walk
 from engine.stats import StepTimes, make_step_stats, measure_step_costs
 from engine.stop import holdback
 from kvcache import KVCacheManager, blocks_needed
@@ -178,7 +179,7 @@ class LLMEngine:
         result, failed = self._execute(scheduled, drafts)
         t2 = time.perf_counter()
         touched = failed + self.scheduler.update(scheduled, result)
-        self._after_step(scheduled, result, touched, StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t0))
+        self._after_step(scheduled, result, touched, StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t0), drafts)
         return [self._delta(r) for r in touched]
 
     def set_fault_hook(self, hook: FaultHook | None) -> None:
@@ -191,7 +192,11 @@ class LLMEngine:
             return {}
         for rid in scheduled.finished_ids:
             self.drafter.free(rid)
-        slots = [DraftSlot(s.request, s.num_draft_slots, s.block_table) for s in scheduled.scheduled if s.num_draft_slots]
+        slots = [
+            DraftSlot(s.request, s.num_draft_slots, s.block_table, self.policy.template(s.request_id))
+            for s in scheduled.scheduled
+            if s.num_draft_slots
+        ]
         if not slots:
             return {}
         try:
@@ -236,12 +241,17 @@ class LLMEngine:
                 failed.append(s.request)
         return merged, failed
 
-    def _after_step(self, scheduled: SchedulerOutput, result: RunnerOutput, touched: list[Request], times) -> None:
+    def _after_step(self, scheduled: SchedulerOutput, result: RunnerOutput, touched: list[Request], times,
+                    drafts: dict) -> None:
         """Tell the drafter what was kept, feed the policy, report stats."""
         if self.policy is not None:
             for s in scheduled.scheduled:
-                rid = s.request_id
-                self.policy.record(s.request, result.num_drafted.get(rid, 0), result.num_accepted.get(rid, 0))
+                rid, draft = s.request_id, drafts.get(s.request_id)
+                accepted = result.num_accepted.get(rid, 0)
+                outcomes = None
+                if draft is not None and not is_chain(draft.parents) and rid in result.sampled:
+                    outcomes = walk(draft.token_ids, draft.parents, result.sampled[rid][:accepted])
+                self.policy.record(s.request, result.num_drafted.get(rid, 0), accepted, outcomes)
                 if not s.request.is_finished:
                     self.drafter.commit(s.request)
             self.policy.end_step()

@@ -45,6 +45,7 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine import tree, tree_policy
 from engine.config import SpeculativeConfig
 from engine.request import Request
 
@@ -130,6 +131,7 @@ class ClassState:
     paused_until: int = 0  # step index before which this class does not draft
     pause_len: int = MIN_PAUSE
     probing: bool = False  # first round after a pause: a miss pauses again at once
+    siblings: list[list[float]] = field(default_factory=list)  # token trees: rank >= 1 rates per depth (tree_policy)
 
     def estimate(self) -> list[float]:
         """The rates, with each untested position taking the last tested one's rate (a
@@ -151,6 +153,7 @@ class SpecState:
     classes: dict[int, ClassState] = field(default_factory=dict)
     isolated: bool = False  # seeded: own record only, priced as if alone (see the module docstring)
     last_class: int | None = None  # class of the latest decision
+    template: tuple[int, ...] | None = None  # tree shape of the latest decision (engine.tree_policy); None: a chain
     num_drafts: int = 0  # rounds that verified at least one draft
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -189,6 +192,11 @@ class SpecPolicy:
         self.step = 0
         self.states: dict[str, SpecState] = {}
         self.pooled: dict[int, ClassState] = {}  # class -> rates over all requests
+        k, w, nodes = config.num_speculative_tokens, config.tree_width, config.max_tree_nodes
+        static = config.static_tree()
+        self.trees = tree_policy.candidates(k, w, nodes, static) if w > 1 or static else []
+        # Without the adaptive policy: the static tree, else the widest product tree in the budget.
+        self.fixed_tree = static or (tree.product_tree([w] * k, nodes) if w > 1 else None)
 
     def state(self, request: Request) -> SpecState:
         st = self.states.get(request.request_id)
@@ -210,17 +218,20 @@ class SpecPolicy:
         return expected_tokens(rates, g) / (costs[g] + g * self.c)
 
     def num_draft_slots(self, request: Request) -> int:
-        """Drafts to verify for ``request`` this step (0: plain decoding)."""
+        """Drafts to verify for ``request`` this step (0: plain decoding): a chain's
+        length, or a tree's node count (its shape in ``template``)."""
         if not request.params.speculate:
             return 0
         k = self.config.num_speculative_tokens
         key = self.context_class(request)
         st = self.state(request)
-        st.last_class = key
+        st.last_class, st.template = key, None
+        trees = request.grammar is None  # a grammar cuts chains only (LLMEngine._cut_to_grammar)
         if key is None:
             return 0
         if not self.config.adaptive:
-            return k
+            st.template = self.fixed_tree if trees else None
+            return len(st.template) if st.template else k
         cs = st.classes.get(key)
         if cs is None:
             cs = st.classes[key] = self._fresh(key, st.isolated)
@@ -228,13 +239,25 @@ class SpecPolicy:
             return 0
         rates, costs = cs.estimate(), [self.verify_cost(g, st.isolated) for g in range(k + 1)]
         gamma = max(range(1, k + 1), key=lambda g: (self.gain(rates, g, costs), -g))
-        if self.gain(rates, gamma, costs) < 1.0:
+        gain = self.gain(rates, gamma, costs)
+        if trees and self.trees:
+            cost = lambda n: self.verify_cost(n, st.isolated) + n * self.c  # noqa: E731
+            template, tree_gain = tree_policy.best(self.trees, rates, cs.siblings, cost)
+            if tree_gain > gain:
+                st.template, gain, gamma = template, tree_gain, len(template)
+        if gain < 1.0:
+            st.template = None
             if not cs.probing:
                 self._pause(cs, key, st.isolated)
                 return 0
             gamma = 1  # a probe after a pause: the cheapest test of whether drafts pay again
         self.rows += gamma
         return gamma
+
+    def template(self, request_id: str) -> tuple[int, ...] | None:
+        """The tree shape granted to the request this step; None: a chain."""
+        st = self.states.get(request_id)
+        return st.template if st is not None else None
 
     def _fresh(self, key: int, isolated: bool) -> ClassState:
         """A request's first record of a class: the pooled one's rates, else (or when
@@ -258,8 +281,9 @@ class SpecPolicy:
         cs = st.classes.get(st.last_class) if st is not None else None
         return cs is not None and self.step < cs.paused_until
 
-    def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
-        """After verification: ``num_accepted`` of ``num_drafted`` drafts were kept."""
+    def record(self, request: Request, num_drafted: int, num_accepted: int, outcomes=None) -> None:
+        """After verification: ``num_accepted`` of ``num_drafted`` drafts were kept;
+        ``outcomes``: for a token tree, what was tried per depth (``engine.tree.walk``)."""
         st = self.states.get(request.request_id)
         if num_drafted == 0 or st is None or st.last_class is None:
             return
@@ -270,9 +294,13 @@ class SpecPolicy:
         cs = st.classes.get(key)
         if cs is None:
             cs = st.classes[key] = self._fresh(key, st.isolated)
-        cs.update(num_drafted, num_accepted, EMA)
         pooled = self.pooled.setdefault(key, ClassState([PRIOR_ACCEPTANCE] * self.config.num_speculative_tokens))
-        pooled.update(num_drafted, num_accepted, POOLED_EMA)
+        for record, weight in ((cs, EMA), (pooled, POOLED_EMA)):
+            if outcomes is None:
+                record.update(num_drafted, num_accepted, weight)
+            else:
+                tested = tree_policy.update(record.rates, record.siblings, outcomes, weight)
+                record.tested = max(record.tested, tested)
         if num_accepted > 0:
             cs.pause_len = MIN_PAUSE
             cs.probing = False

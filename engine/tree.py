@@ -30,6 +30,16 @@ def is_chain(parents: tuple[int, ...] | None) -> bool:
     return parents is None or tuple(parents) == chain(len(parents))
 
 
+def with_prefix(num_prefix: int, parents: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """The tree over a forward's fed tokens: ``num_prefix`` tokens as a chain, then the
+    nodes of ``parents``, its roots hanging from the last prefix token.
+
+    >>> with_prefix(2, (-1, -1, 0))
+    (-1, 0, 1, 1, 2)
+    """
+    return chain(num_prefix) + tuple(p + num_prefix if p >= 0 else num_prefix - 1 for p in parents)
+
+
 def depths(parents: tuple[int, ...]) -> np.ndarray:
     """[n] depth of each node below the root (0 for the root's children)."""
     depth = np.zeros(len(parents), dtype=np.int64)
@@ -80,37 +90,37 @@ def path_tokens(token_ids: list[int], parents: tuple[int, ...] | None, num_nodes
     return [[]] + [[token_ids[j] for j in path(parents, i)] for i in range(num_nodes)]
 
 
-def merge_paths(paths: list[list[int]], max_nodes: int) -> tuple[list[int], tuple[int, ...]]:
+def merge_paths(
+    paths: list[list[int]], max_nodes: int, widths: list[int] | None = None
+) -> tuple[list[int], tuple[int, ...]]:
     """The prefix tree of token sequences, earlier sequences first (so their nodes rank
-    first among siblings), cut at ``max_nodes`` nodes. Returns ``(token_ids, parents)``.
+    first among siblings), cut at ``max_nodes`` nodes; ``widths[d]``: at most that many
+    children per node at depth ``d`` (and no node deeper than ``len(widths)``); a
+    sequence stops where it does not fit. Returns ``(token_ids, parents)``.
 
     >>> merge_paths([[5, 6, 7], [5, 8], [9]], 10)
     ([5, 6, 7, 8, 9], (-1, 0, 1, 0, -1))
+    >>> merge_paths([[5, 6, 7], [5, 8], [9]], 10, widths=[2, 1])
+    ([5, 6, 9], (-1, 0, -1))
     """
     tokens: list[int] = []
     parents: list[int] = []
     index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    num_children: dict[int, int] = {}
     for seq in paths:
         parent = -1
-        for t in seq:
+        for depth, t in enumerate(seq):
             node = index.get((parent, t))
             if node is None:
-                if len(tokens) >= max_nodes:
+                full = widths is not None and (depth >= len(widths) or num_children.get(parent, 0) >= widths[depth])
+                if full or len(tokens) >= max_nodes:
                     break
                 node = index[(parent, t)] = len(tokens)
+                num_children[parent] = num_children.get(parent, 0) + 1
                 tokens.append(t)
                 parents.append(parent)
             parent = node
     return tokens, tuple(parents)
-
-
-def order_by_depth(token_ids: list[int], parents: tuple[int, ...]) -> tuple[list[int], tuple[int, ...], list[int]]:
-    """The same tree with nodes listed depth by depth (siblings kept in order), the form
-    model drafters grow; returns ``(token_ids, parents, order)`` with ``order[new] = old``."""
-    d = depths(parents)
-    order = sorted(range(len(parents)), key=lambda i: (d[i], i))
-    new_of = {old: new for new, old in enumerate(order)}
-    return [token_ids[i] for i in order], tuple(new_of[parents[i]] if parents[i] >= 0 else -1 for i in order), order
 
 
 def parse_static_tree(literal: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -135,14 +145,60 @@ def parse_static_tree(literal: list[tuple[int, ...]]) -> tuple[int, ...]:
     return tuple(parents)
 
 
-def widths_of(parents: tuple[int, ...]) -> list[list[int]]:
-    """Per depth, the number of children each node of the level above gets in a static
-    tree (the root first). Used by model drafters to grow a static tree depth by depth."""
+def max_widths(parents: tuple[int, ...]) -> list[int]:
+    """Per depth, the most children any node of the level above has (the root's first).
+
+    >>> max_widths((-1, -1, 0, 0, 1, 2))
+    [2, 2, 1]
+    """
     d = depths(parents)
-    out: list[list[int]] = []
-    for level in range(int(d.max()) + 1 if len(parents) else 0):
-        above = [-1] if level == 0 else [i for i in range(len(parents)) if d[i] == level - 1]
-        out.append([sum(1 for p in parents if p == a) for a in above])
+    out = [0] * (int(d.max()) + 1 if len(parents) else 0)
+    for rank, depth in zip(ranks(parents), d):
+        out[depth] = max(out[depth], int(rank) + 1)
+    return out
+
+
+def product_tree(widths: list[int], max_nodes: int) -> tuple[int, ...]:
+    """The tree where every node at depth ``d - 1`` (the root for d = 0) has ``widths[d]``
+    children, listed depth by depth, cut at ``max_nodes`` nodes.
+
+    >>> product_tree([2, 1], 10)
+    (-1, -1, 0, 1)
+    """
+    parents: list[int] = []
+    level = [-1]
+    for w in widths:
+        nxt = []
+        for p in level:
+            for _ in range(w):
+                if len(parents) == max_nodes:
+                    return tuple(parents)
+                nxt.append(len(parents))
+                parents.append(p)
+        level = nxt
+    return tuple(parents)
+
+
+def walk(token_ids: list[int], parents: tuple[int, ...], accepted: list[int]) -> list[tuple[int, int | None]]:
+    """What verification tried, read off the tree and the accepted tokens: per depth
+    reached, ``(children tried, rank of the accepted child or None)``; a depth whose
+    node has no children is not listed (nothing was tried there).
+
+    >>> walk([5, 6, 7], (-1, -1, 0), [6])
+    [(2, 1)]
+    """
+    table = children_table(parents, max_children(parents) or 1)
+    out, row = [], 0
+    for depth in range(len(accepted) + 1):
+        kids = [c for c in table[row] if c >= 0]
+        if not kids:
+            break
+        nxt = accepted[depth] if depth < len(accepted) else None
+        rank = next((r for r, c in enumerate(kids) if token_ids[c] == nxt), None)
+        out.append((len(kids) if rank is None else rank + 1, rank))
+        if rank is None:
+            break
+        row = kids[rank] + 1
     return out
 
 
