@@ -265,7 +265,7 @@ class SpecPolicy:
         pooled = self.pooled.get(key)
         if pooled is None or isolated:
             return ClassState([PRIOR_ACCEPTANCE] * self.config.num_speculative_tokens)
-        return ClassState(list(pooled.rates), pooled.tested)
+        return ClassState(list(pooled.rates), pooled.tested, siblings=[list(r) for r in pooled.siblings])
 
     def _pause(self, cs: ClassState, key: int, isolated: bool) -> None:
         cs.paused_until = self.step + cs.pause_len

@@ -107,7 +107,11 @@ SPECS = {
 }
 
 
-@pytest.mark.parametrize("method", list(SPECS))
+# Model drafters grow trees one forward per depth: minutes on this CPU, so marked slow.
+SLOW = {"early_exit-tree", "draft_model-tree"}
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in SPECS])
 def test_greedy_output_is_unchanged_by_speculation(method, default_engine, prompts, plain_greedy, small_draft_model):
     engine = make(default_engine, SPECS[method](small_draft_model))
     drafted = []
