@@ -1,19 +1,23 @@
-"""Speculative decoding per Spec-Bench category: plain vs ngram vs early_exit vs eagle3.
+"""Speculative decoding per Spec-Bench category: plain vs ngram vs early_exit vs eagle3,
+ngram and early_exit also as token trees.
 
     .venv/bin/python -m bench.spec [--prompts 5] [--mt-prompts 2] [--max-tokens 256]
-        [--methods plain,ngram,...] [--categories qa,mt-bench/stem,...] [--eagle-head DIR]
+        [--methods plain,ngram,...] [--categories qa,stem,...] [--eagle-head DIR]
+    .venv/bin/python -m bench.spec --categories qa --prompts 1 --max-tokens 16 \
+        --methods plain,ngram,ngram-tree    # a smoke run
 
 The eagle3 and ngram+eagle3 rows use the head that ``specserve train-eagle`` wrote
 (default: ~/.cache/specserve/heads/SmolLM2-135M-Instruct-eagle3); without one they are left out.
 
-One ``specserve serve`` process per method on loopback (one per method, all fp32 on
+One ``specserve serve`` process per method on loopback (all fp32 on
 the CPU, batch 1) answer the same prompts in turn, prompt by prompt, so that the
 ratios are measured side by side. Acceptance figures come from each server's
 /metrics (the counters the Grafana dashboard reads), as deltas per category.
 
 Columns: end-to-end tokens/s (prompt processing included) and its speedup over
 plain, over the category's prompts together and prompt by prompt (min-max);
-mean acceptance length (1 + accepted / drafting rounds); acceptance by draft
+mean acceptance length (1 + accepted / drafting rounds); tokens per target
+pass in the decode phase (1 + accepted / decode steps); acceptance by draft
 position (share of rounds whose first i drafts were all accepted); the
 measured decode-phase speedup against the ideal one from the reference's
 formula, ``S = n / (g c + V)`` per decode step, with the measured acceptance
@@ -35,6 +39,11 @@ METHODS = {
     "early_exit": {"method": "early_exit", "num_speculative_tokens": 3, "num_layers": 8},
     "eagle3": {"method": "eagle3", "num_speculative_tokens": 4},
     "ngram+eagle3": {"method": "ngram+eagle3", "num_speculative_tokens": 8, "prompt_lookup_max": 8},
+    # Token trees: the adaptive policy picks each round's shape (or a chain) within these bounds.
+    "ngram-tree": {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_max": 8, "tree_width": 3,
+                   "max_tree_nodes": 24},
+    "early_exit-tree": {"method": "early_exit", "num_speculative_tokens": 3, "num_layers": 8, "tree_width": 2,
+                        "max_tree_nodes": 8},
 }
 EAGLE_HEAD = "~/.cache/specserve/heads/SmolLM2-135M-Instruct-eagle3"
 MT_BENCH = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
@@ -94,14 +103,16 @@ def select_methods(args) -> None:
 def run(args) -> dict:
     cats = categories(args.prompts, args.mt_prompts)
     if args.categories:
-        cats = {c: p for c, p in cats.items() if c in args.categories.split(",")}
-    k_max = max((m or {}).get("num_speculative_tokens", 0) for m in METHODS.values())
+        wanted = args.categories.split(",")
+        cats = {c: p for c, p in cats.items() if c in wanted or c.split("/")[-1] in wanted}
+    methods = METHODS
+    k_max = max((m or {}).get("num_speculative_tokens", 0) for m in methods.values())
     results: dict = defaultdict(dict)  # [category][method] -> figures
     from contextlib import ExitStack
 
     with ExitStack() as stack:
         urls = {}
-        for name, spec in METHODS.items():
+        for name, spec in methods.items():
             extra = ["--max-model-len", "4096", "--kv-cache-memory-bytes", str(512 << 20)]
             if spec:
                 extra += ["--speculative-config", json.dumps(spec)]
@@ -132,15 +143,15 @@ def summarize_category(by_method: dict) -> tuple[list[list], dict]:
         tokens = sum(run["usage"]["completion_tokens"] for run in r["runs"])
         row = [m, tokens, e2e[m], e2e[m] / e2e["plain"], _spread(r["runs"], plain["runs"])]
         if m == "plain" or not x["drafts"]:
-            rows.append(row + ["-", "-", dec[m] / dec["plain"], "-", "-"])
+            rows.append(row + ["-", 1.0, "-", dec[m] / dec["plain"], "-", "-"])
             continue
         steps = max(x["steps"], 1)
-        n_step = (steps + x["accepted"]) / steps  # tokens per decode step
+        n_step = (steps + x["accepted"]) / steps  # tokens per decode step (target pass)
         cost = (x["draft_s"] + x["verify_s"]) / steps / plain_step  # g c + V, in plain decode steps
         ideal = n_step / cost
         per_pos[m] = [p / x["drafts"] for p in x["per_pos"] if True][: _k(x)]
         pos = " ".join(f"{a:.2f}" for a in per_pos[m])
-        rows.append(row + [1 + x["accepted"] / x["drafts"], pos, dec[m] / dec["plain"], ideal,
+        rows.append(row + [1 + x["accepted"] / x["drafts"], n_step, pos, dec[m] / dec["plain"], ideal,
                            f"{x['draft_s'] / steps / plain_step:.2f} + {x['verify_s'] / steps / plain_step:.2f}"])
     return rows, per_pos
 
@@ -162,18 +173,20 @@ def _rate(runs: list[dict], key: str, minus: int) -> float:
 
 def report(results: dict, args) -> None:
     header = ["category", "method", "tokens", "tok/s (e2e)", "speedup", "per prompt", "mean acc. length",
-              "acceptance by position", "decode speedup", "ideal (formula)", "cost g·c + V"]
+              "tokens/pass", "acceptance by position", "decode speedup", "ideal (formula)", "cost g·c + V"]
     rows, per_pos_all = [], {}
     for cat, by_method in results.items():
         cat_rows, per_pos = summarize_category(by_method)
         rows += [[cat] + r for r in cat_rows]
         per_pos_all[cat] = per_pos
     body = markdown_table(header, rows)
-    body += "\n\n" + mt_bench_line(results)
+    body += "\n\n" + mt_bench_line(results) + "\n\n" + tree_vs_chain(results)
     body += ("\n\nSpeedups are against plain decoding on the same prompts in the same run; "
              "`ideal` is the reference's S = n / (g c + V) with the measured tokens per decode step n and "
              "the measured per-step drafting and verification costs (in plain decode steps).")
     cmd = f"python -m bench.spec --prompts {args.prompts} --mt-prompts {args.mt_prompts} --max-tokens {args.max_tokens}"
+    if args.categories or args.methods != list(METHODS):
+        cmd += f" --categories {' '.join(args.categories)} --methods {' '.join(args.methods)}"
     write_report("spec", "Speculative decoding by Spec-Bench category (batch 1, greedy)", body, cmd)
     plot(results, per_pos_all)
 
@@ -184,12 +197,31 @@ def mt_bench_line(results: dict) -> str:
     for m in METHODS:
         speed = {}
         for c, by_method in results.items():
-            if c.startswith("mt-bench/") and m != "plain":
-                speed[c] = next(row[3] for row in summarize_category(by_method)[0] if row[0] == m)
+            if c.startswith("mt-bench/") and m != "plain" and m in by_method:
+                speed[c] = _row(by_method, m)[3]
         if speed:
             c = min(speed, key=speed.get)
             parts.append(f"{m} {speed[c]:.2f}x ({c})")
     return "Slowest MT-Bench category, end to end against plain: " + "; ".join(parts) + "."
+
+
+def tree_vs_chain(results: dict) -> str:
+    """Per category and drafter: the tree's mean acceptance length and end-to-end
+    speedup against the chain's, from the same run."""
+    header = ["category", "drafter", "acc. length chain", "acc. length tree", "tokens/pass chain",
+              "tokens/pass tree", "speedup chain", "speedup tree", "tree / chain"]
+    rows = []
+    for c, by_method in results.items():
+        for m in METHODS:
+            if m.endswith("-tree") and m in by_method and m[: -len("-tree")] in by_method:
+                chain, tree = _row(by_method, m[: -len("-tree")]), _row(by_method, m)
+                rows.append([c, m[: -len("-tree")], chain[5], tree[5], chain[6], tree[6], chain[3], tree[3],
+                             tree[3] / chain[3]])
+    return "Token trees against chains:\n\n" + markdown_table(header, rows) if rows else ""
+
+
+def _row(by_method: dict, m: str) -> list:
+    return next(row for row in summarize_category(by_method)[0] if row[0] == m)
 
 
 def plot(results: dict, per_pos_all: dict) -> None:
@@ -199,12 +231,12 @@ def plot(results: dict, per_pos_all: dict) -> None:
     import matplotlib.pyplot as plt
 
     cats = list(results)
-    methods = [m for m in METHODS if m != "plain"]
+    methods = [m for m in METHODS if m != "plain" and m in results[next(iter(results))]]
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
     b.set_prop_cycle(color=plt.cm.tab20.colors)  # one color per category
     width = 0.8 / len(methods)
     for j, m in enumerate(methods):
-        speed = [summarize_category(results[c])[0][list(METHODS).index(m)][3] for c in cats]
+        speed = [_row(results[c], m)[3] for c in cats]
         a.bar([i + j * width for i in range(len(cats))], speed, width, label=m)
     a.axhline(1.0, color="k", lw=0.8)
     a.set_xticks([i + width / 2 for i in range(len(cats))], cats, rotation=30, ha="right")

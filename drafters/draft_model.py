@@ -13,18 +13,27 @@ Cache contents after drafting ``d_1 .. d_k`` over ``L0`` committed tokens: the
 ``L0`` tokens and ``d_1 .. d_{k-1}`` (``d_k`` is sampled, never fed). ``commit``
 keeps the longest prefix of that which the target committed and rolls back
 the rest.
+
+A token tree (``drafters.tree_drafting``) is grown one depth per forward; node
+``i`` (of every level but the deepest, which is never fed) sits at offset
+``L0 + i``. ``commit`` first moves the accepted path's entries to ``L0, L0 + 1,
+...`` (``kvcache.tensors.move_slots``), as the target's runner does, then rolls
+back as for a chain.
 """
 
 import numpy as np
 import torch
 
+from drafters.tree_drafting import GrowingTree, grow_trees
+from engine import tree
 from engine.attention import SeqSpec, build_attention_metadata
 from engine.models.llama import head_dim_of
 from engine.request import Request
 from engine.sampler import build_sampling_batch, exponential_noise, mask_logits, penalized_logits, processed_probs
 from engine.spec_decode.drafter import Draft, Drafter, DraftSlot
 from kvcache import KVCacheManager
-from kvcache.tensors import KVSpec, PagedKV
+from kvcache.manager import slot_mapping
+from kvcache.tensors import KVSpec, PagedKV, move_slots
 
 
 class SamplingDrafter(Drafter):
@@ -55,6 +64,12 @@ class SamplingDrafter(Drafter):
         tokens = torch.where(batch.greedy, penalized_logits(logits, batch).argmax(-1), sampled)
         return q, tokens.tolist()
 
+    def _distributions(self, logits: torch.Tensor, requests: list[Request], prefixes: list[tuple[int, ...]]):
+        """(q, penalized logits) [n, vocab] of each row, after the drafts ``prefixes[i]``."""
+        batch = build_sampling_batch(requests, logits.shape[-1], self.device, [None] * len(requests), prefixes)
+        logits = mask_logits(logits, requests, [list(p) for p in prefixes])
+        return processed_probs(logits, batch), penalized_logits(logits, batch)
+
     def _generator(self, request: Request) -> torch.Generator | None:
         seed = request.params.seed
         if seed is None or request.params.greedy:
@@ -79,9 +94,44 @@ class ModelDrafter(SamplingDrafter):
         self.paged = PagedKV(spec, num_blocks, device)
         self.cost_per_token = cost_per_token
         self.cached: dict[str, list[int]] = {}  # request id -> tokens whose KV is in the draft cache
+        self.grown: dict[str, tuple[int, GrowingTree, int]] = {}  # id -> (L0, its tree this step, nodes fed)
 
     @torch.inference_mode()
     def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
+        trees = [s for s in slots if s.shape is not None and self._reserve_tree(s)]
+        out = self._chains([s for s in slots if s.shape is None])
+        if trees:
+            out.update(grow_trees(trees, self._tree_forward, self._distributions, self._generator, self.device))
+        return out
+
+    def _reserve_tree(self, slot: DraftSlot) -> bool:
+        """KV for the committed tokens and every node the slot's tree may have."""
+        self._cached(slot.request)
+        nodes = min(len(slot.shape), slot.num_tokens)
+        return self.kv.allocate_slots(slot.request.request_id, slot.request.num_tokens + nodes)
+
+    def _tree_forward(self, trees: list[GrowingTree], depth: int) -> list[torch.Tensor]:
+        """Logits after each node of ``depth - 1`` (the root at 0) of every tree: one
+        forward over the committed tokens not yet cached (at depth 0) and the tree so far."""
+        specs, ids, positions, rows, start = [], [], [], [], 0
+        for g in trees:
+            rid, tokens = g.slot.request.request_id, g.slot.request.token_ids
+            cached = self._cached(g.slot.request)
+            feed = tokens[len(cached) :]  # empty past depth 0
+            fed = tree.with_prefix(len(feed), g.parents) if feed else tuple(g.parents)
+            specs.append(SeqSpec(len(cached), len(fed), self.kv.block_table(rid), None if tree.is_chain(fed) else fed))
+            ids.extend(feed + g.token_ids)
+            positions.extend((len(cached) + tree.depths(fed)).tolist())
+            rows.append([start + len(feed) + n for n in g.level(depth)])
+            start += len(fed)
+            cached.extend(feed)
+            self.grown[rid] = (len(tokens), g, len(g.parents))
+        t = lambda a: torch.tensor(a, dtype=torch.long, device=self.device)  # noqa: E731
+        meta = build_attention_metadata(specs, self.block_size, self.device)
+        hidden = self.model(t(ids), t(positions), meta, self.paged, num_layers=self.num_layers)  # [T, hidden]
+        return [self.model.compute_logits(hidden[t(r)]) for r in rows]
+
+    def _chains(self, slots: list[DraftSlot]) -> dict[str, Draft]:
         live = [s for s in slots if s.num_tokens > 0]
         feeds = {s.request.request_id: s.request.token_ids[len(self._cached(s.request)) :] for s in live}
         drafts: dict[str, list[int]] = {s.request.request_id: [] for s in live}
@@ -127,6 +177,7 @@ class ModelDrafter(SamplingDrafter):
         cached = self.cached.get(request.request_id)
         if cached is None:
             return
+        self._keep_tree_path(request, cached)
         keep = 0
         final = request.token_ids
         # The last committed token is always fed again: drafting needs its logits.
@@ -135,8 +186,30 @@ class ModelDrafter(SamplingDrafter):
         del cached[keep:]
         self.kv.truncate(request.request_id, keep)
 
+    def _keep_tree_path(self, request: Request, cached: list[int]) -> None:
+        """After a tree round: the accepted path's fed nodes, moved to follow the ``L0``
+        committed tokens, become the cached tokens after them."""
+        grown = self.grown.pop(request.request_id, None)
+        if grown is None:
+            return
+        base, g, num_fed = grown
+        path, node = [], -1
+        for token in request.token_ids[base:]:
+            node = next((i for i, p in enumerate(g.parents) if p == node and g.token_ids[i] == token), None)
+            if node is None or node >= num_fed:
+                break
+            path.append(node)
+        table = self.kv.block_table(request.request_id)
+        if path != list(range(len(path))):
+            src = slot_mapping(table, base, base + path[-1] + 1, self.block_size)[path]
+            dst = slot_mapping(table, base, base + len(path), self.block_size)
+            move_slots(self.paged, torch.from_numpy(src).to(self.device), torch.from_numpy(dst).to(self.device))
+        del cached[base:]
+        cached.extend(g.token_ids[i] for i in path)
+
     def free(self, request_id: str) -> None:
         super().free(request_id)
+        self.grown.pop(request_id, None)
         self.cached.pop(request_id, None)
         self.kv.free(request_id)
 

@@ -13,11 +13,17 @@ reserved for this round, those of the last committed token and of the drafts
 Verification overwrites every entry the drafter wrote, so nothing of drafting
 survives a round: there is nothing to roll back, and nothing to catch up on
 after the speculation policy paused drafting.
+
+A token tree (``drafters.tree_drafting``) is grown one depth per forward over
+the last committed token and the tree so far, node ``i`` in the slot of offset
+``1 + i`` at position ``len - 1 + 1 + depth``, as verification will write it.
 """
 
 import torch
 
 from drafters.draft_model import SamplingDrafter
+from drafters.tree_drafting import grow_trees
+from engine import tree
 from engine.attention import SeqSpec, build_attention_metadata
 from engine.spec_decode.drafter import Draft, DraftSlot
 
@@ -30,6 +36,30 @@ class EarlyExitDrafter(SamplingDrafter):
 
     @torch.inference_mode()
     def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
+        trees = [s for s in slots if s.shape is not None]
+        out = self._chains([s for s in slots if s.shape is None])
+        if trees:
+            out.update(grow_trees(trees, self._tree_forward, self._distributions, self._generator, self.device))
+        return out
+
+    def _tree_forward(self, trees, depth: int) -> list[torch.Tensor]:
+        """Logits after each node of ``depth - 1`` (the root at 0) of every tree: one
+        forward over each request's last committed token and its tree so far."""
+        specs, ids, positions, rows, start = [], [], [], [], 0
+        for g in trees:
+            fed = tree.with_prefix(1, g.parents)  # [t_last, nodes...]
+            base = len(g.slot.request.token_ids) - 1
+            specs.append(SeqSpec(base, len(fed), list(g.slot.block_table), fed if g.parents else None))
+            ids.extend([g.slot.request.token_ids[-1]] + g.token_ids)
+            positions.extend((base + tree.depths(fed)).tolist())
+            rows.append([start + 1 + n for n in g.level(depth)])
+            start += len(fed)
+        t = lambda a: torch.tensor(a, dtype=torch.long, device=self.device)  # noqa: E731
+        meta = build_attention_metadata(specs, self.block_size, self.device)
+        hidden = self.model(t(ids), t(positions), meta, self.target_kv, num_layers=self.num_layers)  # [T, hidden]
+        return [self.model.compute_logits(hidden[t(r)]) for r in rows]
+
+    def _chains(self, slots: list[DraftSlot]) -> dict[str, Draft]:
         t = lambda a: torch.tensor(a, dtype=torch.long, device=self.device)  # noqa: E731
         drafts: dict[str, list[int]] = {s.request.request_id: [] for s in slots}
         probs: dict[str, list[torch.Tensor]] = {s.request.request_id: [] for s in slots}

@@ -82,6 +82,11 @@ class EngineConfig:
     speculative: "SpeculativeConfig" = field(default_factory=lambda: SpeculativeConfig())
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
+    def __post_init__(self):
+        if self.speculative.uses_trees and self.parallel.tensor_parallel_size > 1:
+            # The accepted path's KV is moved on rank 0 only (ModelRunner._keep_accepted_paths).
+            raise ValueError("token trees do not run with tensor parallelism yet: use chains (tree_width 1)")
+
     def threads_per_rank(self) -> int:
         """CPU threads each tensor-parallel rank gives torch: ``num_threads`` when set,
         else the cores shared out between the ranks (at least one each)."""
@@ -103,10 +108,45 @@ class SpeculativeConfig:
     # Extra cost of one verified draft, in decode steps. None: measured at start-up. Pin it to
     # make the policy's choices, and so seeded outputs, identical from one server start to the next.
     verify_cost: float | None = None
+    # Token trees (engine.tree_policy): up to tree_width children per node (1: chains), at most
+    # max_tree_nodes nodes; or vLLM's static tree literal (model drafters), e.g. [[0], [1], [0, 0]].
+    tree_width: int = 1
+    max_tree_nodes: int = 16
+    speculative_token_tree: list | str | None = None
 
     def __post_init__(self):
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
+        if self.tree_width < 1 or self.max_tree_nodes < 1:
+            raise ValueError("tree_width and max_tree_nodes must be at least 1")
+        if self.speculative_token_tree is not None:
+            if self.method == "ngram":
+                raise ValueError('"speculative_token_tree" is for model drafters; ngram grows trees from "tree_width"')
+            self.static_tree()  # validates
+        if self.uses_trees and self.method and "eagle" in self.method:
+            raise ValueError("token trees are not built for eagle heads yet: use chains (tree_width 1)")
+
+    @property
+    def uses_trees(self) -> bool:
+        return self.tree_width > 1 or self.speculative_token_tree is not None
+
+    def static_tree(self) -> tuple[int, ...] | None:
+        """The parent list of ``speculative_token_tree`` (engine.tree), or None."""
+        from engine.tree import parse_static_tree
+
+        literal = self.speculative_token_tree
+        if literal is None:
+            return None
+        if isinstance(literal, str):  # vLLM writes it as a string of a Python literal
+            import ast
+
+            try:
+                literal = ast.literal_eval(literal)
+            except (ValueError, SyntaxError) as e:
+                raise ValueError(f"speculative_token_tree is not a list of tuples: {e}") from None
+        if not isinstance(literal, (list, tuple)) or not literal or not all(isinstance(n, (list, tuple)) for n in literal):
+            raise ValueError("speculative_token_tree must be a non-empty list of tuples of child indices")
+        return parse_static_tree([tuple(n) for n in literal])
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SpeculativeConfig":

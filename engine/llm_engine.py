@@ -36,6 +36,7 @@ from engine.spec_decode.drafter import Draft, DraftSlot
 from engine.spec_decode.policy import Candidate, SpecPolicy, StepCosts, StepPlan
 from engine.spec_decode.registry import build_drafter
 from engine.stats import EngineSnapshot, StepTimes, make_step_stats
+from engine.tree import is_chain, walk
 from engine.stop import holdback
 from kvcache import KVCacheManager, blocks_needed
 from kvcache.tensors import KVSpec, PagedKV
@@ -220,12 +221,12 @@ class LLMEngine:
         scheduled = self.scheduler.schedule(plan.num_draft_slots)
         if scheduled.is_empty:
             return []
-        drafts = self._propose(scheduled)
+        drafts = self._propose(scheduled, plan)
         t1 = time.perf_counter()
         result, failed = self._execute(scheduled, drafts, self._grammar_masks(scheduled, drafts))
         t2 = time.perf_counter()
         touched = failed + self.scheduler.update(scheduled, result)
-        self._after_step(scheduled, plan, result, touched, StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t0))
+        self._after_step(scheduled, plan, result, touched, StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t0), drafts)
         outputs = [self._delta(r) for r in touched]
         self._release()
         return outputs
@@ -242,19 +243,20 @@ class LLMEngine:
             return StepPlan({})
         running = self.scheduler.running
         candidates = [
-            Candidate(r.request_id, self._context_class(r), isolated=r.params.seed is not None)
+            Candidate(r.request_id, self._context_class(r), isolated=r.params.seed is not None, trees=r.grammar is None)
             for r in running
             if r.params.speculate and r.num_computed_tokens + 1 == r.num_tokens
         ]
         return self.policy.plan(candidates, len(running))
 
-    def _propose(self, scheduled: SchedulerOutput) -> dict:
-        """Drafts for the scheduled slots; a failing drafter means no drafts this step."""
+    def _propose(self, scheduled: SchedulerOutput, plan: StepPlan) -> dict:
+        """Drafts for the scheduled slots (a chain, or a tree of the plan's shape); a failing
+        drafter means no drafts this step."""
         if self.drafter is None:
             return {}
-        requests, tables = self.scheduler.requests, self.kv_manager.block_table
+        requests, tables, decisions = self.scheduler.requests, self.kv_manager.block_table, plan.decisions
         slots = [
-            DraftSlot(requests[s.request_id], s.num_draft_slots, tuple(tables(s.request_id)))
+            DraftSlot(requests[s.request_id], s.num_draft_slots, tuple(tables(s.request_id)), decisions[s.request_id].template)
             for s in scheduled.scheduled
             if s.num_draft_slots
         ]
@@ -317,15 +319,20 @@ class LLMEngine:
                 failed.append(req)
         return merged, failed
 
-    def _after_step(self, scheduled: SchedulerOutput, plan: StepPlan, result: RunnerOutput, touched, times) -> None:
+    def _after_step(self, scheduled: SchedulerOutput, plan: StepPlan, result: RunnerOutput, touched, times,
+                    drafts: dict) -> None:
         """Tell the drafter what was kept, record the plan of the requests that ran, report stats."""
         if self.policy is not None:
             if result.features:
                 self.drafter.add_features(result.features)
             for s in scheduled.scheduled:
-                rid = s.request_id
+                rid, draft = s.request_id, drafts.get(s.request_id)
+                accepted = result.num_accepted.get(rid, 0)
                 if rid in plan.decisions:
-                    self.policy.record(rid, plan.decisions[rid], result.num_drafted.get(rid, 0), result.num_accepted.get(rid, 0))
+                    outcomes = None
+                    if draft is not None and not is_chain(draft.parents) and rid in result.sampled:
+                        outcomes = walk(draft.token_ids, draft.parents, result.sampled[rid][:accepted])
+                    self.policy.record(rid, plan.decisions[rid], result.num_drafted.get(rid, 0), accepted, outcomes)
                 if (req := self.scheduler.requests.get(rid)) is not None:  # not finished
                     self.drafter.commit(req)
             self.policy.end_step()

@@ -13,6 +13,19 @@ being the target's distribution after the first ``i`` drafts::
     tokens fed:  t_last  d1  d2  d3        (k = 3)
     logit row:   0       1   2   3         row i predicts the token after d_i
 
+A draft may be a token tree (``engine.tree``): the ``k`` nodes are fed in node
+order, each at position ``context_len + 1 + depth`` and attending to the
+prefix and its own ancestors (``SeqSpec.parents``); row ``i + 1`` is the
+target's distribution after node ``i``'s branch. After verification the
+accepted path's KV entries are moved to the slots a plain decode would have
+written (``kvcache.tensors.move_slots``), so the scheduler keeps or rolls back
+a tree exactly as a chain::
+
+    tree (-1, -1, 0, 1), accepted path nodes 1, 3:
+    slot of position:  c   c+1  c+2  c+3  c+4
+    before:            t   n0   n1   n2   n3
+    after:             t   n1   n3   ..   ..      (c+3, c+4: rolled back)
+
 State: the runner sees each request whole once (``SchedulerOutput.new_requests``)
 and then only per-step changes; it keeps what sampling needs (parameters,
 token ids for penalties, block table, generator) in a ``RequestState`` keyed
@@ -33,6 +46,7 @@ import torch
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
 from engine.spec_decode.drafter import Draft
+from engine import tree
 from engine.outputs import TokenLogprob
 from engine.rejection_sampler import PLACEHOLDER, greedy_verify, rejection_sample
 from engine.sampler import (
@@ -46,7 +60,9 @@ from engine.sampler import (
 )
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
-from kvcache.tensors import PagedKV
+from engine.tree_sampler import tree_verify
+from kvcache.manager import slot_mapping
+from kvcache.tensors import PagedKV, move_slots
 
 
 @dataclass
@@ -99,25 +115,27 @@ class ModelRunner:
         chains = [s.token_ids + tuple(drafts[s.request_id].token_ids if s.request_id in drafts else ()) for s in sched]
         if self.fault_hook:
             self.fault_hook("model", [s.request_id for s in sched])
-        logits, rows, prompt_logprobs, features = self._forward(sched, chains)
+        trees = [_fed_tree(s, drafts.get(s.request_id)) for s in sched]
+        logits, rows, prompt_logprobs, features = self._forward(sched, chains, trees)
         if logits is None:
             result = RunnerOutput({}, prompt_logprobs=prompt_logprobs)
         else:
-            result = self._sample_or_verify(logits, [self.requests[sched[i].request_id] for i in rows], drafts)
+            result = self._sample_or_verify(logits, [sched[i] for i in rows], drafts)
             result.prompt_logprobs = prompt_logprobs
         if features is not None:
             result.features = kept_features(features, sched, chains, result)
         return result
 
-    def _sample_or_verify(self, logits: torch.Tensor, requests: list[RequestState], drafts: dict[str, Draft]) -> RunnerOutput:
+    def _sample_or_verify(self, logits: torch.Tensor, sched: list[ScheduledRequest], drafts: dict[str, Draft]) -> RunnerOutput:
         """logits [R, vocab] of the sampling requests' rows -> their new tokens."""
+        requests = [self.requests[s.request_id] for s in sched]
         if self.fault_hook:
             self.fault_hook("sampler", [r.request_id for r in requests])
         row_drafts = [drafts.get(r.request_id) for r in requests]
         if not any(row_drafts):
             result = self._sample(logits, requests)
         else:
-            result = self._verify(logits, requests, row_drafts)
+            result = self._verify(logits, sched, row_drafts)
         for rid, tokens in result.sampled.items():
             self.requests[rid].token_ids.extend(tokens)
         return result
@@ -137,15 +155,18 @@ class ModelRunner:
             st.token_ids[s.context_len : end] = s.token_ids
             del st.token_ids[max(end, st.num_prompt_tokens) :]
 
-    def _forward(self, sched: tuple[ScheduledRequest, ...], chains: list[tuple[int, ...]]):
+    def _forward(self, sched: tuple[ScheduledRequest, ...], chains: list[tuple[int, ...]], trees: list):
         """One target pass. Returns logits [R, vocab] of the sampling rows, the
         index (into ``sched``) of each sampling request, the prompt logprobs
         of this step's chunks (``_prompt_logprobs``), and the drafter's features
         [T, F] of every token fed (None when it reads none)."""
         query_lens = np.array([len(c) for c in chains], dtype=np.int64)
         input_ids = np.fromiter((t for c in chains for t in c), dtype=np.int64, count=int(query_lens.sum()))
-        positions = np.concatenate([np.arange(s.context_len, s.context_len + len(c)) for s, c in zip(sched, chains)])
-        specs = [SeqSpec(s.context_len, len(c), self.requests[s.request_id].block_table) for s, c in zip(sched, chains)]
+        positions = np.concatenate([
+            s.context_len + (np.arange(len(c)) if t is None else tree.depths(t)) for s, c, t in zip(sched, chains, trees)
+        ])
+        tables = [self.requests[s.request_id].block_table for s in sched]
+        specs = [SeqSpec(s.context_len, len(c), b, t) for s, c, b, t in zip(sched, chains, tables, trees)]
         meta = self.attention.build_metadata(specs, self.block_size, self.device)
         ids, pos = self._t(input_ids), self._t(positions)
         if self.feature_layers:  # hidden [T, hidden], features [T, F]
@@ -205,18 +226,21 @@ class ModelRunner:
             self._add_logprobs(result, logits, tokens, requests, batch.num_logprobs)
         return result
 
-    def _verify(self, logits: torch.Tensor, requests: list[RequestState], drafts: list[Draft | None]) -> RunnerOutput:
-        """Greedy matching / rejection sampling of every request's drafts at once.
+    def _verify(self, logits: torch.Tensor, sched: list[ScheduledRequest], drafts: list[Draft | None]) -> RunnerOutput:
+        """Greedy matching / rejection sampling of every request's drafts (chains or
+        trees) at once.
 
         logits [R, vocab] with R = sum(k_r + 1) rows, request by request.
         """
+        requests = [self.requests[s.request_id] for s in sched]
         n = len(requests)
         k = [len(d.token_ids) if d else 0 for d in drafts]
         k_max = max(k)
         row_req = np.repeat(np.arange(n), np.array(k) + 1)  # [R] request of each row
-        row_pos = np.concatenate([np.arange(ki + 1) for ki in k])  # [R] position within its chain
+        row_pos = np.concatenate([np.arange(ki + 1) for ki in k])  # [R] row within its request
         row_requests = [requests[i] for i in row_req]
-        prefixes = [tuple(drafts[i].token_ids[:p]) if drafts[i] else () for i, p in zip(row_req, row_pos)]
+        branches = [tree.path_tokens(d.token_ids, d.parents, len(d.token_ids)) if d else [[]] for d in drafts]
+        prefixes = [tuple(branches[i][p]) for i, p in zip(row_req, row_pos)]
         batch = build_sampling_batch(row_requests, self.vocab_size, self.device, [None] * len(row_req), prefixes)
         rr, rp = self._t(row_req), self._t(row_pos)
         masked = self._masked(logits, [(requests[i].request_id, p) for i, p in zip(row_req, row_pos)])
@@ -225,7 +249,10 @@ class ModelRunner:
         ids = np.full((n, k_max), PLACEHOLDER, dtype=np.int64)
         ids[row_req[row_pos > 0], row_pos[row_pos > 0] - 1] = [t for d in drafts if d for t in d.token_ids]
         draft_ids = self._t(ids)  # [n, k_max]
-        if batch.all_greedy:
+        emit_rows = None  # chains: row i emits output token i
+        if any(d is not None and not tree.is_chain(d.parents) for d in drafts):
+            out, accepted, emit_rows = self._verify_trees(masked, batch, sched, drafts, argmax, draft_ids, k, rr, rp)
+        elif batch.all_greedy:
             out, accepted = greedy_verify(argmax, draft_ids)
         else:
             out, accepted = self._rejection_sample(masked, batch, requests, drafts, argmax, draft_ids, k, rr, rp)
@@ -235,9 +262,46 @@ class ModelRunner:
             if k[i]:
                 result.num_drafted[r.request_id] = k[i]
                 result.num_accepted[r.request_id] = j
+        if emit_rows is None:
+            emit_rows = [list(range(j + 1)) for j in accepted.tolist()]
         if batch.num_logprobs is not None:
-            self._add_chain_logprobs(result, logits, row_req, row_pos, requests, batch.num_logprobs)
+            self._add_chain_logprobs(result, logits, row_req, row_pos, requests, batch.num_logprobs, emit_rows)
         return result
+    def _verify_trees(self, logits, batch, sched, drafts, argmax, draft_ids, k, rr, rp):
+        """Tree verification (``engine.tree_sampler``) of a batch with at least one tree,
+        then the accepted paths' KV moved into place. Returns the output ids, the
+        number accepted, and per request the rows that emitted its tokens."""
+        requests = [self.requests[s.request_id] for s in sched]
+        n, k_max = draft_ids.shape
+        parents = [(d.parents if d.parents is not None else tree.chain(len(d.token_ids))) if d else () for d in drafts]
+        children = self._t(tree.batch_children(parents, k_max))  # [n, k_max + 1, W]
+        greedy = torch.tensor([r.params.greedy for r in requests], device=self.device)
+        if batch.all_greedy:
+            out, accepted, nodes = tree_verify(children, draft_ids, argmax, greedy)
+        else:
+            probs = torch.zeros(n, k_max + 1, self.vocab_size, device=self.device)
+            probs[rr, rp] = processed_probs(logits, batch)
+            draft_probs = stack_draft_probs(drafts, draft_ids, self.vocab_size)
+            uniforms, noise = self._randomness(k, self._generators(requests))
+            out, accepted, nodes = tree_verify(children, draft_ids, argmax, greedy, probs, draft_probs, uniforms, noise)
+        paths = [[x for x in row if x >= 0] for row in nodes.tolist()]
+        self._keep_accepted_paths(sched, paths)
+        return out, accepted, [[0] + [x + 1 for x in p] for p in paths]
+
+    def _keep_accepted_paths(self, sched: list[ScheduledRequest], paths: list[list[int]]) -> None:
+        """Moves each accepted path's KV entries to the positions right after the
+        scheduled tokens (node ``i`` was written at offset ``i``, its depth is its
+        offset on the path); the scheduler then keeps them as accepted chain drafts."""
+        src, dst = [], []
+        for s, path in zip(sched, paths):
+            if path != list(range(len(path))):
+                base = s.context_len + len(s.token_ids)
+                table = self.requests[s.request_id].block_table
+                src.append(slot_mapping(table, base, base + path[-1] + 1, self.block_size)[path])
+                dst.append(slot_mapping(table, base, base + len(path), self.block_size))
+        if src:
+            move_slots(self.kv, self._t(np.concatenate(src)), self._t(np.concatenate(dst)))
+
 
     def _rejection_sample(self, logits, batch, requests, drafts, argmax, draft_ids, k, rr, rp):
         """The rejection rule for a batch with sampled requests: builds p [n, K + 1, vocab]
@@ -268,10 +332,12 @@ class ModelRunner:
                     TokenLogprob(lp.token_id, lp.logprob, lp.top[: r.params.logprobs])
                 )
 
-    def _add_chain_logprobs(self, result, logits, row_req, row_pos, requests, top_n) -> None:
-        """Logprobs of each emitted token, from the row that predicted it."""
-        keep = [i for i, (r, p) in enumerate(zip(row_req, row_pos)) if p < len(result.sampled[requests[r].request_id])]
-        tokens = torch.tensor([result.sampled[requests[row_req[i]].request_id][row_pos[i]] for i in keep])
+    def _add_chain_logprobs(self, result, logits, row_req, row_pos, requests, top_n, emit_rows) -> None:
+        """Logprobs of each emitted token, from the row that predicted it: output token
+        ``j`` of request ``r`` came from its row ``emit_rows[r][j]``."""
+        order = [{row: j for j, row in enumerate(rows)} for rows in emit_rows]
+        keep = [i for i, (r, p) in enumerate(zip(row_req, row_pos)) if p in order[r]]
+        tokens = torch.tensor([result.sampled[requests[row_req[i]].request_id][order[row_req[i]][row_pos[i]]] for i in keep])
         self._add_logprobs(result, logits[self._t(np.array(keep))], tokens, [requests[row_req[i]] for i in keep], top_n)
 
     def _masked(self, logits: torch.Tensor, rows: list[tuple[str, int]]) -> torch.Tensor:
@@ -298,6 +364,14 @@ class ModelRunner:
         if g is None:
             g = self.generators[request_id] = torch.Generator(self.device).manual_seed(params.seed)
         return g
+
+
+def _fed_tree(s: ScheduledRequest, draft: Draft | None) -> tuple[int, ...] | None:
+    """The tree over the tokens fed for ``s``: its scheduled tokens as a chain, then
+    the draft's nodes hanging from the last of them; None when that is a chain."""
+    if draft is None or tree.is_chain(draft.parents):
+        return None
+    return tree.with_prefix(len(s.token_ids), draft.parents)
 
 
 def stack_draft_probs(drafts: list[Draft | None], draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor | None:

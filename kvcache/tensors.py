@@ -38,3 +38,13 @@ class PagedKV:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
+
+
+def move_slots(kv: PagedKV, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy the K/V rows at slots ``src`` [m] to slots ``dst`` [m] in every layer
+    (all rows are read before any is written). After a token tree is verified this
+    puts the accepted path where a plain decode would have written it."""
+    for i in range(kv.spec.num_layers):
+        for cache in kv.layer(i):
+            flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, heads, head_dim]
+            flat[dst] = flat[src]

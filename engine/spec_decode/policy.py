@@ -58,6 +58,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engine import tree, tree_policy
 from engine.config import SpeculativeConfig
 
 PRIOR_ACCEPTANCE = 0.5  # acceptance assumed before a request has any history
@@ -142,6 +143,7 @@ class ClassState:
     paused_until: int = 0  # step index before which this class does not draft
     pause_len: int = MIN_PAUSE
     probing: bool = False  # first round after a pause: a miss pauses again at once
+    siblings: list[list[float]] = field(default_factory=list)  # token trees: rank >= 1 rates per depth (tree_policy)
 
     def estimate(self) -> list[float]:
         """The rates, with each untested position taking the last tested one's rate (a
@@ -184,6 +186,7 @@ class Candidate:
     request_id: str
     context_class: int | None  # the drafter's class of its committed context; None: nothing to propose
     isolated: bool = False  # seeded: its own record only, priced as if alone (see the module docstring)
+    trees: bool = True  # may get a token tree (False under a grammar: LLMEngine._cut_to_grammar cuts chains only)
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,7 @@ class Decision:
     # The class record to start from when the request has none yet (the pooled rates as
     # they were at planning time); None when it has one.
     fresh: ClassState | None = None
+    template: tuple[int, ...] | None = None  # a token tree's shape (engine.tree_policy); None: a chain
 
 
 @dataclass(frozen=True)
@@ -219,6 +223,11 @@ class SpecPolicy:
         self.step = 0
         self.states: dict[str, SpecState] = {}
         self.pooled: dict[int, ClassState] = {}  # class -> rates over all requests
+        k, w, nodes = config.num_speculative_tokens, config.tree_width, config.max_tree_nodes
+        static = config.static_tree()
+        self.trees = tree_policy.candidates(k, w, nodes, static) if w > 1 or static else []
+        # Without the adaptive policy: the static tree, else the widest product tree in the budget.
+        self.fixed_tree = static or (tree.product_tree([w] * k, nodes) if w > 1 else None)
 
     def verify_cost(self, g: int, batch: int, rows: int, alone: bool = False) -> float:
         """``V(g)`` for a request of a step with ``batch`` decoding requests and ``rows``
@@ -230,8 +239,9 @@ class SpecPolicy:
         return expected_tokens(rates, g) / (costs[g] + g * self.c)
 
     def plan(self, candidates: Sequence[Candidate], num_running: int) -> StepPlan:
-        """Draft slots for each candidate (0: plain decoding), in order, with
-        ``num_running`` requests in the step. Pure: reads the records, changes nothing."""
+        """Draft slots for each candidate (0: plain decoding; a chain's length or a tree's
+        node count), in order, with ``num_running`` requests in the step. Pure: reads the
+        records, changes nothing."""
         batch = rows = max(1, num_running)
         decisions = {}
         for c in candidates:
@@ -249,18 +259,25 @@ class SpecPolicy:
         cs = st.classes.get(key) if st is not None else None
         fresh = None if cs is not None else self._fresh(key, alone)
         if not self.config.adaptive:
-            return Decision(k, key, isolated=alone, fresh=fresh)
+            template = self.fixed_tree if c.trees else None
+            return Decision(len(template) if template else k, key, isolated=alone, fresh=fresh, template=template)
         cs = cs or fresh
         if self.step < cs.paused_until:
             return Decision(0, key, isolated=alone)
         rates = cs.estimate()
         costs = [self.verify_cost(g, batch, rows, alone) for g in range(k + 1)]
         gamma = max(range(1, k + 1), key=lambda g: (self.gain(rates, g, costs), -g))
-        if self.gain(rates, gamma, costs) < 1.0:
+        gain, template = self.gain(rates, gamma, costs), None
+        if c.trees and self.trees:
+            cost = lambda n: self.verify_cost(n, batch, rows, alone) + n * self.c  # noqa: E731
+            shape, tree_gain = tree_policy.best(self.trees, rates, cs.siblings, cost)
+            if tree_gain > gain:
+                template, gain, gamma = shape, tree_gain, len(shape)
+        if gain < 1.0:
             if not cs.probing:
                 return Decision(0, key, pause=True, isolated=alone, fresh=fresh)
-            gamma = 1  # a probe after a pause: the cheapest test of whether drafts pay again
-        return Decision(gamma, key, isolated=alone, fresh=fresh)
+            gamma, template = 1, None  # a probe after a pause: the cheapest test of whether drafts pay again
+        return Decision(gamma, key, isolated=alone, fresh=fresh, template=template)
 
     def _fresh(self, key: int, isolated: bool) -> ClassState:
         """A request's first record of a class: the pooled one's rates, else (or when
@@ -268,7 +285,7 @@ class SpecPolicy:
         pooled = self.pooled.get(key)
         if pooled is None or isolated:
             return ClassState([PRIOR_ACCEPTANCE] * self.config.num_speculative_tokens)
-        return ClassState(list(pooled.rates), pooled.tested)
+        return ClassState(list(pooled.rates), pooled.tested, siblings=[list(r) for r in pooled.siblings])
 
     def _pause(self, cs: ClassState, key: int, isolated: bool) -> None:
         cs.paused_until = self.step + cs.pause_len
@@ -284,9 +301,10 @@ class SpecPolicy:
         cs = st.classes.get(st.last_class) if st is not None else None
         return cs is not None and self.step < cs.paused_until
 
-    def record(self, request_id: str, decision: Decision, num_drafted: int, num_accepted: int) -> None:
+    def record(self, request_id: str, decision: Decision, num_drafted: int, num_accepted: int, outcomes=None) -> None:
         """After verification of a request that ran with ``decision``: ``num_accepted``
-        of ``num_drafted`` drafts were kept. The only place a request's record changes."""
+        of ``num_drafted`` drafts were kept; ``outcomes``: for a token tree, what was
+        tried per depth (``engine.tree.walk``). The only place a request's record changes."""
         st = self.states.get(request_id)
         if st is None:
             st = self.states[request_id] = SpecState(isolated=decision.isolated)
@@ -303,9 +321,13 @@ class SpecPolicy:
         st.num_drafts += 1
         st.num_draft_tokens += num_drafted
         st.num_accepted_tokens += num_accepted
-        cs.update(num_drafted, num_accepted, EMA)
         pooled = self.pooled.setdefault(key, ClassState([PRIOR_ACCEPTANCE] * self.config.num_speculative_tokens))
-        pooled.update(num_drafted, num_accepted, POOLED_EMA)
+        for record, weight in ((cs, EMA), (pooled, POOLED_EMA)):
+            if outcomes is None:
+                record.update(num_drafted, num_accepted, weight)
+            else:
+                tested = tree_policy.update(record.rates, record.siblings, outcomes, weight)
+                record.tested = max(record.tested, tested)
         if num_accepted > 0:
             cs.pause_len = MIN_PAUSE
             cs.probing = False

@@ -93,10 +93,25 @@ SPECS = {
     "draft_model": lambda path: SpeculativeConfig(
         method="draft_model", num_speculative_tokens=3, model=str(path), adaptive=False
     ),
+    # Token trees: up to 3 children per node (adaptive: the policy picks the shape), and a static tree.
+    "ngram-tree": lambda _: SpeculativeConfig(
+        method="ngram", num_speculative_tokens=6, verify_cost=0.05, tree_width=3, max_tree_nodes=12
+    ),
+    "early_exit-tree": lambda _: SpeculativeConfig(
+        method="early_exit", num_speculative_tokens=3, num_layers=10, adaptive=False, tree_width=2, max_tree_nodes=8
+    ),
+    "draft_model-tree": lambda path: SpeculativeConfig(
+        method="draft_model", model=str(path), adaptive=False,
+        speculative_token_tree=[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)],
+    ),
 }
 
 
-@pytest.mark.parametrize("method", list(SPECS))
+# Model drafters grow trees one forward per depth: minutes on this CPU, so marked slow.
+SLOW = {"early_exit-tree", "draft_model-tree"}
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in SPECS])
 def test_greedy_output_is_unchanged_by_speculation(method, default_engine, prompts, plain_greedy, small_draft_model):
     engine = make(default_engine, SPECS[method](small_draft_model))
     drafted = []

@@ -1,0 +1,128 @@
+"""Growing token trees with a model drafter, depth by depth, inside a template.
+
+The policy hands each slot a template (``DraftSlot.shape``, an ``engine.tree``
+parent list chosen before drafting). The drafter runs one batched forward per
+depth over each request's tree so far and draws the children of every node of
+the deepest level at once; each node gets exactly the children its template
+node has, as many as can be drawn.
+
+How children are drawn, so that verification (``engine.tree_sampler``) is exact:
+
+* sampled request: without replacement from the draft's processed
+  distribution ``q``, by one exponential race -- the tokens ordered by
+  ``q(x) / E_x`` (``E_x ~ Exp(1)``) are sequential draws without replacement.
+  Child ``i`` is sent with ``q_i`` = ``q`` with children ``1 .. i-1`` zeroed and
+  renormalized, the distribution it was really drawn from given its elder
+  siblings (plain ``q`` per child would be wrong, see the tree sampler's proof).
+  Tokens ``q`` gives no mass cannot be drawn: a node gets at most as many
+  children as ``q`` has support (which depends on the branch, not on the draws);
+* greedy request: the ``w`` best tokens by the draft's penalized logits, a
+  function of the context alone (verification only compares argmaxes).
+
+The tree's shape never depends on a node's own token, only on the template
+and on what was drawn before it, which keeps the round non-anticipating.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.spec_decode.drafter import Draft, DraftSlot
+from engine import tree
+
+
+@dataclass
+class GrowingTree:
+    """One request's tree while it grows: nodes listed depth by depth."""
+
+    slot: DraftSlot
+    template: tuple[int, ...]  # the shape, cut to the slot's node budget
+    token_ids: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)  # [vocab] q_i per node
+    of_template: list[int] = field(default_factory=list)  # template node of each node
+
+    def level(self, depth: int) -> list[int]:
+        """The nodes at ``depth - 1`` whose children are drawn at ``depth`` (-1: the root)."""
+        if depth == 0:
+            return [-1]
+        d = tree.depths(tuple(self.parents))
+        return [i for i in range(len(self.parents)) if d[i] == depth - 1]
+
+    def num_children(self, node: int) -> int:
+        """Children of ``node``'s template node (-1: the root)."""
+        t = self.of_template[node] if node >= 0 else -1
+        return sum(1 for p in self.template if p == t)
+
+    def add(self, parent: int, rank: int, token: int, q: torch.Tensor) -> None:
+        t_parent = self.of_template[parent] if parent >= 0 else -1
+        kids = [i for i, p in enumerate(self.template) if p == t_parent]
+        self.of_template.append(kids[rank])
+        self.token_ids.append(token)
+        self.parents.append(parent)
+        self.probs.append(q)
+
+    def draft(self) -> Draft | None:
+        if not self.token_ids:
+            return None
+        parents = tuple(self.parents)
+        return Draft(list(self.token_ids), torch.stack(self.probs), None if tree.is_chain(parents) else parents)
+
+
+def template_of(slot: DraftSlot) -> tuple[int, ...]:
+    """The slot's template in depth order (as drafting grows it), cut to its node budget."""
+    shape = slot.shape[: slot.num_tokens]
+    d = tree.depths(shape)
+    order = sorted(range(len(shape)), key=lambda i: (d[i], i))
+    new = {old: i for i, old in enumerate(order)}
+    return tuple(new[shape[i]] if shape[i] >= 0 else -1 for i in order)
+
+
+def draw_children(q: torch.Tensor, logits: torch.Tensor, greedy: bool, count: int, noise: torch.Tensor):
+    """``count`` distinct children of one node (fewer if q's support is smaller): their
+    tokens and the q each was drawn from. q, logits (penalized), noise: [vocab]."""
+    if greedy:
+        tokens = logits.topk(min(count, logits.shape[0])).indices.tolist()
+        return [(t, torch.nn.functional.one_hot(torch.tensor(t), q.shape[0]).to(q)) for t in tokens]
+    tokens = (q / noise).topk(min(count, int((q > 0).sum()))).indices.tolist()  # exponential race order
+    out, rest = [], q.clone()
+    for t in tokens:
+        out.append((t, rest / rest.sum()))
+        rest = rest.clone()
+        rest[t] = 0.0
+    return out
+
+
+def grow_trees(slots: list[DraftSlot], forward, distributions, generator, device) -> dict[str, Draft]:
+    """Trees for ``slots`` (each with a shape), one depth per batched forward.
+
+    ``forward(trees, depth)`` -> per tree, raw logits [len(tree.level(depth)), vocab]
+    after each node of that level (the root at depth 0); ``distributions(logits,
+    requests, prefixes)`` -> (q, penalized logits), both [rows, vocab];
+    ``generator(request)``: its torch.Generator or None."""
+    from engine.sampler import exponential_noise
+
+    grows = [GrowingTree(s, template_of(s)) for s in slots]
+    for depth in range(max(int(tree.depths(g.template).max()) for g in grows) + 1):
+        live = [g for g in grows if any(g.num_children(n) for n in g.level(depth))]
+        if not live:
+            break
+        levels = [g.level(depth) for g in live]
+        logits = torch.cat(forward(live, depth))  # [rows, vocab]
+        requests = [g.slot.request for g, lv in zip(live, levels) for _ in lv]
+        prefixes = [tuple(_branch(g, n)) for g, lv in zip(live, levels) for n in lv]
+        q, penalized = distributions(logits, requests, prefixes)
+        noise = exponential_noise(tuple(q.shape), [generator(r) for r in requests], device)
+        row = 0
+        for g, level in zip(live, levels):
+            for node in level:
+                kids = draw_children(q[row], penalized[row], g.slot.request.params.greedy, g.num_children(node), noise[row])
+                for rank, (token, q_i) in enumerate(kids):
+                    g.add(node, rank, token, q_i)
+                row += 1
+    return {g.slot.request.request_id: g.draft() for g in grows if g.token_ids}
+
+
+def _branch(g: GrowingTree, node: int) -> list[int]:
+    return [g.token_ids[i] for i in tree.path(tuple(g.parents), node)]
+

@@ -1,0 +1,132 @@
+"""Verification of drafted token trees: greedy walk and recursive rejection.
+
+Extends ``engine.rejection_sampler`` (a chain is the tree of width 1 and gives
+the same outputs from the same random numbers) to trees (``engine.tree``),
+vectorized over the batch with one loop over depth and one over sibling rank.
+Request ``r`` drafted ``num_nodes[r]`` nodes; row 0 of its target distributions
+is ``p`` after the last committed token, row ``i + 1`` is ``p`` after node ``i``
+(conditioned on node ``i``'s branch only: the tree attention mask).
+
+Rule, starting at the root with ``R = p_root`` (the reference's section "Token
+trees check several guesses at once", *recursive rejection at a node with
+several children*; SpecInfer's multi-step speculative sampling):
+
+* try the current node's children ``s_1, s_2, ...`` in order; child ``s_i``
+  drafted from ``q_i`` is accepted iff ``u < R(s_i) / q_i(s_i)`` (``u`` the
+  child's own uniform), greedy requests iff ``s_i = argmax p_node``;
+* after a rejection, ``R <- normalize(max(0, R - q_i))`` before the next sibling;
+* on acceptance move to the child, with ``R = p_child``, and repeat;
+* when no child is accepted, emit the *recovered* token, sampled from ``R``
+  (greedy: ``argmax p_node``); at a leaf, the *bonus* token from ``R = p_leaf``.
+
+Exactness (proof sketch). At one node with target ``R_1 = p``, backward
+induction on the try index ``i``: if the continuation after a rejected try ``i``
+outputs ``R_{i+1}`` whatever was drawn before, then try ``i`` outputs
+``min(q_i, R_i) + (1 - sum min(q_i, R_i)) * R_{i+1} = R_i`` -- the one-draft
+rule with target ``R_i``. The induction needs only that ``s_i ~ q_i`` given
+everything drawn before it (earlier siblings and their subtrees), so ``q_i``
+may depend on the earlier siblings:
+
+* i.i.d. children: ``q_i = q`` (the reference's theorem);
+* children without replacement (Sequoia): ``q_i = q`` with the earlier siblings
+  zeroed and renormalized, the ``q`` a sampling drafter must send per node;
+* deterministic drafter (prompt lookup, top-W by the draft's own scores),
+  siblings distinct: ``q_i`` is one-hot at ``s_i``, so ``s_i`` is accepted with
+  probability ``R_i(s_i)`` and a rejection zeroes ``s_i`` in ``R`` and
+  renormalizes. Some child is accepted with probability ``sum_i p(s_i)``. The
+  tree is a function of the context alone, so conditioning on it changes nothing.
+
+The number and order of children may depend on what was drafted before them,
+never on a child's own token beyond its draw (non-anticipation). After an
+acceptance, the subtree is drafted from ``q`` conditioned on the branch, so the
+same argument applies level by level and the emitted sequence is distributed
+exactly as the target's.
+
+Output ``[n, D + 1]`` (``D`` the longest accepted path in the batch): the accepted path's tokens, the
+recovered or bonus token, ``PLACEHOLDER`` padding; ``num_accepted [n]``;
+``accepted_nodes [n, D]`` (node index per accepted depth, ``PLACEHOLDER`` past).
+"""
+
+import torch
+
+from engine.rejection_sampler import PLACEHOLDER, residual_distribution
+
+
+def next_target(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The target the next sibling is tried against after a rejection. [n, V]."""
+    return residual_distribution(r, q)
+
+
+def extra_distribution(r: torch.Tensor, p_node: torch.Tensor) -> torch.Tensor:
+    """The distribution of the recovered token at a node where every child was rejected."""
+    return r
+
+
+def tree_verify(
+    children: torch.Tensor,  # [n, N + 1, W] child node per row and rank, -1 padded (engine.tree)
+    draft_ids: torch.Tensor,  # [n, N] long, PLACEHOLDER past num_nodes
+    target_argmax: torch.Tensor,  # [n, N + 1]
+    greedy: torch.Tensor,  # [n] bool
+    target_probs: torch.Tensor | None = None,  # [n, N + 1, V]; None: every request is greedy
+    draft_probs: torch.Tensor | None = None,  # [n, N, V] q_i per node; None: one-hot (deterministic)
+    uniforms: torch.Tensor | None = None,  # [n, N] U[0, 1), one per node
+    noise: torch.Tensor | None = None,  # [n, V] Exp(1) for the recovered / bonus token
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(output_ids [n, D + 1], num_accepted [n], accepted_nodes [n, D])``."""
+    n, width = children.shape[0], children.shape[2]
+    b = torch.arange(n, device=children.device)
+    cur = torch.zeros(n, dtype=torch.long, device=children.device)  # current row
+    done = torch.zeros(n, dtype=torch.bool, device=children.device)
+    nodes: list[torch.Tensor] = []
+    r = target_probs[:, 0] if target_probs is not None else None  # [n, V]
+    while not done.all():
+        moved = torch.zeros_like(done)
+        for j in range(width):
+            child = children[b, cur, j]  # [n]
+            trying = ~done & ~moved & (child >= 0)
+            if not trying.any():
+                break
+            c = child.clamp(min=0)
+            x = draft_ids[b, c].clamp(min=0)  # [n]
+            accept = x == target_argmax[b, cur]
+            if target_probs is not None:
+                q = _node_q(draft_probs, c, x, r)  # [n, V]
+                random = uniforms[b, c] * q[b, x] < r[b, x]  # u < R/q without dividing by a zero q
+                accept = torch.where(greedy, accept, random)
+                rejected = (trying & ~accept).unsqueeze(1)
+                r = torch.where(rejected, next_target(r, q), r)
+            accept &= trying
+            cur = torch.where(accept, c + 1, cur)
+            moved |= accept
+        nodes.append(torch.where(moved, cur - 1, PLACEHOLDER))
+        if r is not None:
+            r = torch.where(moved.unsqueeze(1), target_probs[b, cur], r)
+        done |= ~moved
+    accepted_nodes = torch.stack(nodes[:-1], dim=1) if len(nodes) > 1 else cur.new_zeros(n, 0)
+    num_accepted = (accepted_nodes >= 0).sum(dim=1)
+    extra = target_argmax[b, cur]
+    if target_probs is not None:
+        leaf = (children[b, cur, 0] < 0).unsqueeze(1)  # no child: bonus, drawn as the chain rule does
+        dist = torch.where(leaf, residual_distribution(r, torch.zeros_like(r)), extra_distribution(r, target_probs[b, cur]))
+        extra = torch.where(greedy, extra, (dist / noise).argmax(dim=1))  # exponential race
+    return _assemble(draft_ids, accepted_nodes, num_accepted, extra), num_accepted, accepted_nodes
+
+
+def _node_q(draft_probs: torch.Tensor | None, c: torch.Tensor, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """q of each request's tried child: its own row, or one-hot at its token. [n, V]."""
+    if draft_probs is not None:
+        return draft_probs[torch.arange(len(c), device=c.device), c]
+    q = torch.zeros_like(like)
+    q.scatter_(1, x.unsqueeze(1), 1.0)
+    return q
+
+
+def _assemble(draft_ids, accepted_nodes, num_accepted, extra) -> torch.Tensor:
+    """[n, D + 1]: the accepted path's tokens, the extra token, PLACEHOLDER padding."""
+    n, depth = accepted_nodes.shape
+    out = torch.full((n, depth + 1), PLACEHOLDER, dtype=torch.long, device=draft_ids.device)
+    if depth:
+        tokens = draft_ids.gather(1, accepted_nodes.clamp(min=0))
+        out[:, :depth] = torch.where(accepted_nodes >= 0, tokens, PLACEHOLDER)
+    out.scatter_(1, num_accepted.unsqueeze(1), extra.unsqueeze(1))
+    return out
