@@ -1,6 +1,7 @@
 """specserve side by side with the servers a user would run instead, through one client.
 
     .venv/bin/python -m bench.peers [--servers specserve,specserve-ngram,vllm,vllm-ngram] [--peers-dir ~/peers]
+        [--baseline CHECKOUT]   # also specserve-baseline[-ngram]: an older commit, side by side
 
 One server at a time on loopback, each measured the same way through
 ``/v1/chat/completions`` (greedy, ``ignore_eos``, 128 new tokens, prompt
@@ -49,15 +50,19 @@ VLLM_MAIN = (
 )
 
 
-def server_command(name: str, port: int, peers: Path) -> tuple[list[str], dict] | None:
-    """(argv, environment) of a server, or None when it is not installed."""
+def server_command(name: str, port: int, peers: Path, baseline: Path | None = None) -> tuple[list[str], dict, Path | None] | None:
+    """(argv, environment, working directory) of a server, or None when it is not installed.
+    ``specserve-baseline[-ngram]`` runs the checkout in ``baseline`` (an older commit: its
+    packages shadow the installed ones when started from its directory)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if name.startswith("specserve"):
+        if name.startswith("specserve-baseline") and baseline is None:
+            return None
         cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--max-model-len", "2048", "--served-model-name", "smol"]
-        if name == "specserve-ngram":
+        if name.endswith("-ngram"):
             cmd += ["--speculative-config", json.dumps(SPEC_NGRAM)]
-        return cmd, env
+        return cmd, env, baseline if name.startswith("specserve-baseline") else None
     if name.startswith("vllm"):
         python = peers / "venv-vllm" / "bin" / "python"
         if not python.exists() or not (peers / "smollm2-hf").is_dir():
@@ -70,21 +75,21 @@ def server_command(name: str, port: int, peers: Path) -> tuple[list[str], dict] 
                "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port)]
         if name == "vllm-ngram":
             cmd += ["--speculative-config", json.dumps(VLLM_NGRAM)]
-        return cmd, env
+        return cmd, env, None
     if name == "llama":
         python = peers / "venv-llama" / "bin" / "python"
         gguf = peers / "SmolLM2-135M-Instruct.Q4_1.gguf"
         if not python.exists() or not gguf.exists():
             return None
         return [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", "2048",
-                "--n_threads", str(os.cpu_count()), "--host", "127.0.0.1", "--port", str(port)], env
+                "--n_threads", str(os.cpu_count()), "--host", "127.0.0.1", "--port", str(port)], env, None
     raise ValueError(f"unknown server {name!r}")
 
 
-def start(cmd: list[str], env: dict, log_path: Path, timeout: float = 600) -> subprocess.Popen:
+def start(cmd: list[str], env: dict, cwd: Path | None, log_path: Path, timeout: float = 600) -> subprocess.Popen:
     """Starts a server and waits for its /v1/models to answer."""
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -209,12 +214,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", default="specserve,specserve-ngram,vllm,vllm-ngram,llama")
     ap.add_argument("--peers-dir", type=Path, default=Path(os.environ.get("PEERS", Path.home() / "peers")))
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="a checkout of an older specserve commit, served as specserve-baseline[-ngram]")
     args = ap.parse_args()
     chat_ps, copy_ps, conc_ps = prompts(4, 4, 16)
     results = {}
     for name in args.servers.split(","):
         port = free_port()
-        spec = server_command(name, port, args.peers_dir)
+        spec = server_command(name, port, args.peers_dir, args.baseline)
         if spec is None:
             print(f"[{name}] not installed in {args.peers_dir}; skipped", flush=True)
             continue
@@ -224,7 +231,8 @@ def main() -> None:
             results[name] = measure(f"http://127.0.0.1:{port}", chat_ps, copy_ps, conc_ps)
         finally:
             stop(proc, 60)
-    report(results, "python -m bench.peers --servers " + ",".join(results))
+    baseline = f" --baseline {args.baseline}" if args.baseline else ""
+    report(results, "python -m bench.peers --servers " + ",".join(results) + baseline)
 
 
 if __name__ == "__main__":

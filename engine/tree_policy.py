@@ -1,4 +1,4 @@
-"""Token-tree shapes for the speculation policy (``engine.spec_policy``). No torch.
+"""Token-tree shapes for the speculation policy (``engine.spec_decode.policy``). No torch.
 
 A round's tree shape is a *template* (``engine.tree`` parent list): the largest
 tree the drafter may propose. It is chosen before drafting, like a chain's

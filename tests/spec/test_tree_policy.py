@@ -5,9 +5,7 @@ per-depth, per-rank acceptance, and the configuration keys."""
 import pytest
 
 from engine.config import SpeculativeConfig
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.spec_policy import SpecPolicy, StepCosts
+from engine.spec_decode.policy import Candidate as Request, SpecPolicy, StepCosts
 from engine.tree_policy import Candidate, expected_accepted, update
 
 
@@ -27,7 +25,13 @@ def test_update_moves_each_tried_rank_towards_its_outcome():
 
 
 def request() -> Request:
-    return Request("r", [1, 2, 3], SamplingParams(), frozenset())
+    """A decoding request as the policy sees it: its id and context class."""
+    return Request("r", 0)
+
+
+def decide(p: SpecPolicy, req: Request):
+    """This step's decision for ``req`` alone (the plan is pure: it changes nothing)."""
+    return p.plan([req], 1).decisions[req.request_id]
 
 
 def policy(**kw) -> SpecPolicy:
@@ -38,27 +42,32 @@ def policy(**kw) -> SpecPolicy:
 def test_siblings_that_pay_give_trees_and_siblings_that_never_do_give_chains():
     p, req = policy(), request()
     for _ in range(30):  # the first guess is usually wrong, the second usually right
-        p.num_draft_slots(req)
-        p.record(req, 6, 2, outcomes=[(2, 1), (2, 1), (1, None)])
-    p.num_draft_slots(req)
-    shape = p.template("r")
+        p.record("r", decide(p, req), 6, 2, outcomes=[(2, 1), (2, 1), (1, None)])
+        p.end_step()
+    shape = decide(p, req).template
     assert shape is not None and shape.count(-1) >= 2  # several guesses for the first token
     for _ in range(60):  # now the first guesses are always accepted: a chain does as well, for less
-        p.num_draft_slots(req)
-        template = p.template("r")
-        if template is None:
-            p.record(req, 4, 4)
+        d = decide(p, req)
+        if d.template is None:
+            p.record("r", d, 4, 4)
         else:
-            p.record(req, len(template), 4, outcomes=[(1, 0)] * 4)
-    assert p.num_draft_slots(req) == 4 and p.template("r") is None
+            p.record("r", d, len(d.template), 4, outcomes=[(1, 0)] * 4)
+        p.end_step()
+    d = decide(p, req)
+    assert d.num_draft_slots == 4 and d.template is None
 
 
 def test_without_adaptive_every_round_uses_the_configured_tree():
-    p = policy(adaptive=False)
-    assert p.num_draft_slots(request()) == 12 and len(p.template("r")) == 12
+    d = decide(policy(adaptive=False), request())
+    assert d.num_draft_slots == 12 and len(d.template) == 12
     static = SpeculativeConfig(method="early_exit", adaptive=False, speculative_token_tree=[[0], [1], [0, 0]])
-    p = SpecPolicy(static, 0.1, StepCosts.linear(0.05))
-    assert p.num_draft_slots(request()) == 3 and p.template("r") == (-1, -1, 0)
+    d = decide(SpecPolicy(static, 0.1, StepCosts.linear(0.05)), request())
+    assert d.num_draft_slots == 3 and d.template == (-1, -1, 0)
+
+
+def test_a_request_under_a_grammar_gets_chains():
+    d = decide(policy(adaptive=False), Request("r", 0, trees=False))
+    assert d.num_draft_slots == 4 and d.template is None
 
 
 @pytest.mark.parametrize("bad", [
