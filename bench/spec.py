@@ -185,8 +185,9 @@ def report(results: dict, args) -> None:
              "`ideal` is the reference's S = n / (g c + V) with the measured tokens per decode step n and "
              "the measured per-step drafting and verification costs (in plain decode steps).")
     cmd = f"python -m bench.spec --prompts {args.prompts} --mt-prompts {args.mt_prompts} --max-tokens {args.max_tokens}"
-    if args.categories or args.methods != list(METHODS):
-        cmd += f" --categories {' '.join(args.categories)} --methods {' '.join(args.methods)}"
+    if args.categories:
+        cmd += f" --categories {args.categories}"
+    cmd += f" --methods {args.methods}"
     write_report("spec", "Speculative decoding by Spec-Bench category (batch 1, greedy)", body, cmd)
     plot(results, per_pos_all)
 
