@@ -7,6 +7,7 @@ import torch
 
 from engine.attention import SeqSpec, build_attention_metadata, paged_attention, tree_depths, tree_mask
 from engine.attention.metadata import MAX_BATCHED_QUERY
+from tests.engine_core.attention_problems import dense_attention
 
 
 def test_tree_mask_hand_drawn():
@@ -80,28 +81,6 @@ def test_metadata_tree_mask_in_batch_and_long_queries_alone():
 
 
 # ---- paged attention against a dense reference ----
-
-
-def ancestors_or_self(parents, i):
-    out = {i}
-    while parents[i] >= 0:
-        i = parents[i]
-        out.add(i)
-    return out
-
-
-def dense_attention(q, k, v, context_len, parents):
-    """q [m, H, D]; k, v [context_len + m, KVH, D] -> [m, H, D], in float64."""
-    m, num_heads, d = q.shape
-    group = num_heads // k.shape[1]
-    out = torch.empty(m, num_heads, d, dtype=torch.float64)
-    for i in range(m):
-        visible = list(range(context_len)) + [context_len + j for j in sorted(ancestors_or_self(parents, i))]
-        for h in range(num_heads):
-            keys, vals = k[visible, h // group].double(), v[visible, h // group].double()
-            w = torch.softmax(keys @ q[i, h].double() / d**0.5, dim=0)
-            out[i, h] = w @ vals
-    return out
 
 
 CASES = [  # (context_len, query_len, parents or None for a chain)

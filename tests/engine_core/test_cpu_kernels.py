@@ -6,6 +6,7 @@ import torch
 
 from engine.layers import cpu_kernels
 from engine.layers.linear import GEMV_CANDIDATES, ColumnParallelLinear, calibrate_gemv, can_prepack
+from tests.engine_core.test_linear_padding import _packed_layer
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2/FMA CPU or no C compiler")
 
@@ -27,14 +28,6 @@ def test_gemv_reads_a_non_contiguous_input():
     x = torch.randn(16, 64)[::4]  # rows of a larger tensor
     w = torch.randn(10, 64)
     torch.testing.assert_close(cpu_kernels.gemv(x, w), x @ w.T, rtol=1e-4, atol=1e-4)
-
-
-def _packed_layer(seed: int) -> ColumnParallelLinear:
-    g = torch.Generator().manual_seed(seed)
-    layer = ColumnParallelLinear(64, [96])
-    layer.load(0, torch.randn(96, 64, generator=g))
-    layer.prepack()
-    return layer
 
 
 @needs_kernel
