@@ -14,7 +14,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     num_threads: int | None = None  # CPU threads for torch; None: every core
-    attention_backend: str = "auto"  # auto | torch | torch_varlen | flash_attn (engine.attention.backends)
+    attention_backend: str = "auto"  # auto | torch | cpu | torch_varlen | flash_attn (engine.attention.backends)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

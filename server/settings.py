@@ -33,11 +33,12 @@ class ServerSettings(BaseSettings):
     )
     seed: int = Field(0, description="seed of the engine's default random generator")
     num_threads: int | None = Field(None, gt=0, description="CPU threads for torch (default: every core)")
-    attention_backend: Literal["auto", "torch", "torch_varlen", "flash_attn"] = Field(
+    attention_backend: Literal["auto", "torch", "cpu", "torch_varlen", "flash_attn"] = Field(
         "auto",
-        description="attention kernels: torch (the CPU path), torch_varlen (the CUDA fallback), flash_attn "
-        "(flash-attn 2.x, CUDA, KV blocks of 256 tokens); auto picks flash_attn on CUDA when it is installed, "
-        "else torch_varlen on CUDA, else torch",
+        description="attention kernels: torch (the reference), cpu (AVX2 kernel for decodes, drafts and trees; "
+        "float32), torch_varlen (the CUDA fallback), flash_attn (flash-attn 2.x, CUDA, KV blocks of 256 tokens); "
+        "auto picks flash_attn on CUDA when it is installed, else torch_varlen on CUDA, cpu on a float32 CPU "
+        "where the kernels build, else torch",
     )
     speculative_config: dict | None = Field(
         None,

@@ -6,13 +6,17 @@ runs the forward of the backend that built ``meta``.
 
 ======================  =======================================================
 ``torch``               gather + SDPA with explicit masks, per query-length bucket
-                        (``torch_backend``): the CPU path and the reference
+                        (``torch_backend``): the reference
+``cpu``                 the torch backend with every short query (decodes, chains,
+                        trees) attended by the AVX2 kernel straight from the cache
+                        (``cpu_kernels.paged_attention``); float32 on the CPU
 ``torch_varlen``        flash-attn's layout and tree split with a torch kernel
                         (``varlen_backend.torch_kernel``): the CUDA fallback
 ``flash_attn``          flash-attn 2.x varlen over the paged cache
                         (``varlen_backend.flash_kernel``); KV blocks of 256 tokens
 ``auto``                flash_attn on CUDA in fp16/bf16 when flash-attn imports,
-                        else torch_varlen on CUDA, else torch
+                        else torch_varlen on CUDA, cpu in float32 where the
+                        kernels build, else torch
 ======================  =======================================================
 """
 
@@ -26,8 +30,9 @@ import torch
 from engine.attention import torch_backend, varlen_backend
 from engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from engine.attention.varlen_metadata import VarlenMetadata, build_varlen_metadata
+from engine.layers import cpu_kernels
 
-BACKEND_NAMES = ("auto", "torch", "torch_varlen", "flash_attn")
+BACKEND_NAMES = ("auto", "torch", "cpu", "torch_varlen", "flash_attn")
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class AttentionBackend:
 
 
 TORCH = AttentionBackend("torch", build_attention_metadata)
+CPU = AttentionBackend("cpu", partial(build_attention_metadata, listed=True))
 TORCH_VARLEN = AttentionBackend(
     "torch_varlen", partial(build_varlen_metadata, kernel=varlen_backend.torch_kernel, split_by_query_len=True)
 )
@@ -49,7 +55,7 @@ FLASH_ATTN = AttentionBackend(
     "flash_attn", partial(build_varlen_metadata, kernel=varlen_backend.flash_kernel),
     varlen_backend.FLASH_BLOCK_SIZE_MULTIPLE,
 )
-BACKENDS = {b.name: b for b in (TORCH, TORCH_VARLEN, FLASH_ATTN)}
+BACKENDS = {b.name: b for b in (TORCH, CPU, TORCH_VARLEN, FLASH_ATTN)}
 
 _FORWARD = {AttentionMetadata: torch_backend.paged_attention, VarlenMetadata: varlen_backend.paged_attention}
 
@@ -71,7 +77,12 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> Atten
     if name == "auto":
         if cuda and half and flash_attn_installed():
             return FLASH_ATTN
-        return TORCH_VARLEN if cuda else TORCH
+        if cuda:
+            return TORCH_VARLEN
+        return CPU if dtype == torch.float32 and cpu_kernels.load() is not None else TORCH
+    if name == "cpu" and (cuda or dtype != torch.float32 or cpu_kernels.load() is None):
+        raise ValueError(f"attention backend cpu needs float32 on the CPU and the AVX2 kernels (device {device}, "
+                         f"dtype {dtype}, kernels built: {cpu_kernels.load() is not None})")
     if name == "flash_attn" and not (cuda and half and flash_attn_installed()):
         raise ValueError(
             "attention backend flash_attn needs a CUDA device, dtype float16 or bfloat16, and the flash-attn "

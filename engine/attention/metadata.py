@@ -63,10 +63,23 @@ class BatchedQuery:
 
 
 @dataclass
+class ListedQueries:
+    """Tokens that each attend over their own list of KV slots (``cpu_kernels.paged_attention``):
+    no padding, no gather. The tokens of a chain share their request's list, each seeing a
+    longer prefix of it; a tree node's list is the committed prefix and its ancestors and itself."""
+
+    rows: torch.Tensor  # [n] flat token index
+    start: torch.Tensor  # [n] where the token's list begins in ``slots``
+    length: torch.Tensor  # [n] how many keys it sees
+    slots: torch.Tensor  # [total] the lists, one after another
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] slot each new token's K/V is written to
     solo: list[SoloQuery] = field(default_factory=list)
     batched: list[BatchedQuery] = field(default_factory=list)  # one per query-length bucket
+    listed: ListedQueries | None = None  # built with ``listed=True``: every short query, for the CPU kernel
     specs: list[SeqSpec] = field(default_factory=list)  # what it was built from (other tensor-parallel ranks rebuild it)
 
 
@@ -149,18 +162,43 @@ def _batched(specs: list[SeqSpec], starts: list[int], total_tokens: int, block_s
     )
 
 
-def build_attention_metadata(specs: list[SeqSpec], block_size: int, device="cpu") -> AttentionMetadata:
-    """Metadata for a step whose flat tokens are ``specs`` in order."""
+def _listed(specs: list[SeqSpec], starts: list[int], all_slots: list[np.ndarray]) -> ListedQueries:
+    rows, start, length, lists, offset = [], [], [], [], 0
+    for spec, first, slots in zip(specs, starts, all_slots):
+        c, m = spec.context_len, spec.query_len
+        rows.append(np.arange(first, first + m))
+        if spec.parents is None:  # token i sees positions 0 .. c + i
+            start.append(np.full(m, offset))
+            length.append(np.arange(c + 1, c + m + 1))
+            lists.append(slots)
+            offset += len(slots)
+            continue
+        for row in tree_mask(spec.parents):
+            own = np.concatenate([slots[:c], slots[c:][row]])
+            start.append(np.array([offset]))
+            length.append(np.array([len(own)]))
+            lists.append(own)
+            offset += len(own)
+    to = lambda parts: torch.from_numpy(np.concatenate(parts).astype(np.int64))  # noqa: E731
+    return ListedQueries(to(rows), to(start), to(length), to(lists))
+
+
+def build_attention_metadata(specs: list[SeqSpec], block_size: int, device="cpu", listed=False) -> AttentionMetadata:
+    """Metadata for a step whose flat tokens are ``specs`` in order. ``listed`` (CPU only):
+    every request of at most ``MAX_BATCHED_QUERY`` new tokens goes to ``meta.listed``
+    instead of the padded batches."""
     starts = np.concatenate([[0], np.cumsum([s.query_len for s in specs])]).tolist()
-    slot_mapping = np.concatenate(
-        [token_slots(s.block_table, s.context_len + s.query_len, block_size)[s.context_len :] for s in specs]
-    )
+    all_slots = [token_slots(s.block_table, s.context_len + s.query_len, block_size) for s in specs]
+    slot_mapping = np.concatenate([slots[s.context_len :] for s, slots in zip(specs, all_slots)])
     meta = AttentionMetadata(torch.from_numpy(slot_mapping).to(device), specs=list(specs))
+    short = [i for i, s in enumerate(specs) if s.query_len <= MAX_BATCHED_QUERY]
+    if listed and short:
+        meta.listed = _listed([specs[i] for i in short], [starts[i] for i in short], [all_slots[i] for i in short])
     buckets: dict[int, list[int]] = {}
     for i, s in enumerate(specs):
         if s.query_len > MAX_BATCHED_QUERY:
             meta.solo.append(_solo(s, starts[i], block_size, device))
-        else:
+        elif not listed:
             buckets.setdefault((s.query_len - 1).bit_length(), []).append(i)
     for _, group in sorted(buckets.items()):
         if len(group) == 1:  # alone in its bucket: no padding, and often no gather

@@ -2,13 +2,16 @@
 
 Every other backend is tested against this one. It writes the step's new K/V
 into their slots, then gathers each request's keys and values through its
-block table and runs scaled-dot-product attention with an explicit mask.
+block table and runs scaled-dot-product attention with an explicit mask; or, for
+metadata built with ``listed=True`` (the ``cpu`` backend), attends every short
+query with the AVX2 kernel straight from the cache, with no gather or padding.
 """
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
+from engine.layers import cpu_kernels
 
 
 def paged_attention(q, k, v, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
@@ -21,7 +24,10 @@ def paged_attention(q, k, v, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
     k_flat.index_copy_(0, meta.slot_mapping, k)
     v_flat.index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
+    if meta.listed is not None:
+        ls = meta.listed
+        cpu_kernels.paged_attention(q, k_flat, v_flat, ls.rows, ls.start, ls.length, ls.slots, out)
     for s in meta.solo:
         qs = q[s.start : s.end].transpose(0, 1)  # [H, m, D]
         if s.kv_span is not None:

@@ -84,8 +84,19 @@ def load():
         return None
     lib.gemv_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
-    lib.gemv_f32.restype = lib.rms_norm_f32.restype = None
+    lib.paged_attention_f32.argtypes = (
+        [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
+    )
+    lib.silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    lib.rope_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    for f in (lib.gemv_f32, lib.rms_norm_f32, lib.paged_attention_f32, lib.silu_mul_f32, lib.rope_f32):
+        f.restype = None
     return lib
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the kernels can take ``x``: float32 on the CPU, outside autograd, kernels built."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled() and load() is not None
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -105,4 +116,40 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty_like(x)
     load().rms_norm_f32(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps,
                         torch.get_num_threads())
+    return y
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                    start: torch.Tensor, length: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+    """Writes ``out[rows[i]]`` [H, D] = attention of ``q[rows[i]]`` [H, D] over the keys and values at
+    ``slots[start[i] : start[i] + length[i]]`` of ``k_cache``/``v_cache`` [num_slots, KVH, D].
+
+    q [T, H, D] with unit strides within a row (a view into the fused qkv is fine); out [T, H, D]
+    contiguous; rows, start, length [n] and slots int64. Softmax scale 1/sqrt(D)."""
+    _, h, d = q.shape
+    kvh = k_cache.shape[1]
+    assert q.stride(2) == 1 and q.stride(1) == d and out.is_contiguous() and h % kvh == 0
+    load().paged_attention_f32(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(), start.data_ptr(),
+        length.data_ptr(), slots.data_ptr(), out.data_ptr(), rows.shape[0], h, kvh, d, d**-0.5,
+        torch.get_num_threads(),
+    )
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
+    gate_up = gate_up.contiguous()
+    t, two_i = gate_up.shape
+    out = torch.empty(t, two_i // 2, dtype=torch.float32)
+    load().silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, torch.get_num_threads())
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] (unit strides within a row) -> rotated copy [T, heads, D]; cos, sin [T, 1, D]."""
+    t, nh, d = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == d
+    cos, sin = cos.contiguous(), sin.contiguous()
+    y = torch.empty(t, nh, d, dtype=torch.float32)
+    load().rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), t, nh, d)
     return y

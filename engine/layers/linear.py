@@ -35,7 +35,7 @@ from engine.parallel import SINGLE, TPGroup
 
 PACK_BATCH_HINT = 16
 PAD_CANDIDATES = (1, 2, 4)  # inputs with fewer rows than the chosen one are padded up to it
-GEMV_CANDIDATES = (1, 2, 4, 8)  # row counts at which cpu_kernels.gemv is timed against oneDNN
+GEMV_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)  # row counts at which cpu_kernels.gemv is timed against oneDNN
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -96,11 +96,12 @@ def calibrate_min_rows(layers: list[PackedLinear], repeats: int = 5) -> int:
 
 
 @torch.inference_mode()
-def calibrate_gemv(layers: list[PackedLinear], repeats: int = 5) -> int:
+def calibrate_gemv(layers: list[PackedLinear], repeats: int = 5, tolerance: float = 1.05) -> int:
     """Times ``cpu_kernels.gemv`` against oneDNN (padded to each layer's ``min_rows``) over every
     packed layer at each of ``GEMV_CANDIDATES`` rows, interleaved, best of ``repeats``;
-    sets every layer's ``gemv_max_rows`` to the largest candidate up to which the kernel
-    wins at every candidate. Returns it (0: oneDNN everywhere, or no kernel)."""
+    sets every layer's ``gemv_max_rows`` to the largest candidate before the first one where
+    the kernel is slower by more than ``tolerance`` (a tie goes to the kernel: its rows do not
+    depend on the batch). Returns it (0: oneDNN everywhere, or no kernel)."""
     layers = [m for m in layers if m.packed is not None]
     if not layers or cpu_kernels.load() is None:
         return 0
@@ -116,7 +117,7 @@ def calibrate_gemv(layers: list[PackedLinear], repeats: int = 5) -> int:
                 for m in layers:
                     m.matmul(inputs[m.weight.shape[1]])
                 best[kernel] = min(best[kernel], time.perf_counter() - t)
-        if best["gemv"] >= best["onednn"]:
+        if best["gemv"] > tolerance * best["onednn"]:
             break
         chosen = rows
     for m in layers:

@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            if x.device.type == "cpu" and x.dim() == 2 and not torch.is_grad_enabled() and cpu_kernels.load():
+            if x.dim() == 2 and cpu_kernels.usable(x):
                 return cpu_kernels.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         y = F.rms_norm(x.float(), self.weight.shape, None, self.eps)

@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from engine.layers import cpu_kernels
+
 
 def rope_parameters(config) -> dict:
     """The config's rope settings, from ``rope_parameters`` (transformers 5) or
@@ -47,6 +49,8 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D] (queries and keys side by side) -> rotated x."""
+    if cpu_kernels.usable(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return cpu_kernels.rope(x, cos, sin)
     return x * cos + _rotate_half(x) * sin
 
 

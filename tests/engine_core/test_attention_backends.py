@@ -11,7 +11,8 @@ import torch
 
 from engine.attention import SeqSpec, build_attention_metadata, paged_attention, select_backend
 from engine.attention import torch_backend
-from engine.attention.backends import FLASH_ATTN, TORCH, TORCH_VARLEN
+from engine.attention.backends import CPU, FLASH_ATTN, TORCH, TORCH_VARLEN
+from engine.layers import cpu_kernels
 from engine.attention.lse import masked_attention_lse, merge_attention
 from engine.attention.varlen_backend import flash_kernel, torch_kernel
 from engine.attention.varlen_metadata import VarlenGroup, build_varlen_metadata
@@ -159,7 +160,10 @@ def test_flash_backend_through_a_stand_in_flash_attn(monkeypatch):
 
 def test_backend_selection():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert select_backend("auto", cpu, torch.float32) is TORCH
+    assert select_backend("auto", cpu, torch.float32) is (CPU if cpu_kernels.load() is not None else TORCH)
+    assert select_backend("auto", cpu, torch.bfloat16) is TORCH  # the kernel is float32 only
+    with pytest.raises(ValueError, match="cpu needs float32 on the CPU"):
+        select_backend("cpu", cpu, torch.bfloat16)
     assert select_backend("torch_varlen", cpu, torch.float32) is TORCH_VARLEN
     assert select_backend("auto", cuda, torch.float32) is TORCH_VARLEN  # flash-attn has no fp32
     with pytest.raises(ValueError, match="flash_attn needs a CUDA device"):
@@ -173,6 +177,20 @@ def test_flash_attn_is_auto_on_cuda_when_installed(monkeypatch):
     monkeypatch.setattr("engine.attention.backends.flash_attn_installed", lambda: True)
     assert select_backend("auto", torch.device("cuda"), torch.bfloat16) is FLASH_ATTN
     assert select_backend("auto", torch.device("cpu"), torch.bfloat16) is TORCH
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2/FMA CPU or no C compiler")
+@pytest.mark.parametrize("head_dim, heads", [(8, (4, 2)), (64, (9, 3)), (20, (2, 2))], ids=["d8", "d64-gqa3", "d20-mha"])
+def test_cpu_backend_matches_the_dense_reference(head_dim, heads):
+    """Every short query (decodes, chains, trees, forests) through the AVX2 kernel, the long ones through
+    SDPA; q a strided view of a fused qkv, as the model passes it."""
+    p = make_problem(head_dim=head_dim, num_heads=heads[0], num_kv_heads=heads[1])
+    meta = CPU.build_metadata(p.specs, 4)
+    assert meta.listed is not None and not meta.batched and len(meta.solo) == 3  # the three long queries
+    qkv = torch.cat([p.q.flatten(1), p.k.flatten(1)], dim=1)
+    q = qkv[:, : p.q[0].numel()].view_as(p.q)
+    out = paged_attention(q, p.k, p.v, (p.k_cache, p.v_cache), meta)
+    torch.testing.assert_close(out.double(), p.reference, atol=1e-5, rtol=1e-5)
 
 
 def test_cases_cover_every_path():

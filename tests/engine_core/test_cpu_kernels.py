@@ -83,3 +83,39 @@ def test_gemv_row_results_do_not_depend_on_the_batch():
     alone = torch.cat([cpu_kernels.gemv(x[i : i + 1], w) for i in range(7)])
     for m in range(1, 8):
         assert torch.equal(cpu_kernels.gemv(x[:m], w), alone[:m])
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows, inter", [(1, 1536), (5, 13), (17, 64)])
+def test_silu_mul_matches_torch(rows, inter):
+    gate_up = torch.randn(rows, 2 * inter) * 6  # past exp's clamps at both ends
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up,
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_rope_matches_torch_on_a_strided_view():
+    from engine.layers.rotary import _rotate_half
+
+    qkv = torch.randn(5, 7 * 16)  # 4 query heads, 1 key head, 2 value heads of 16
+    x = qkv[:, : 5 * 16].view(5, 5, 16)  # queries and keys, rows 7 * 16 apart
+    cos, sin = torch.randn(5, 1, 16), torch.randn(5, 1, 16)
+    torch.testing.assert_close(cpu_kernels.rope(x, cos, sin), x * cos + _rotate_half(x) * sin)
+
+
+@needs_kernel
+def test_paged_attention_of_a_token_does_not_depend_on_the_others():
+    from tests.engine_core.attention_problems import make_problem
+
+    from engine.attention import build_attention_metadata, paged_attention
+
+    p = make_problem(head_dim=64, num_heads=9, num_kv_heads=3)
+    meta = build_attention_metadata(p.specs, 4, listed=True)
+    together = paged_attention(p.q, p.k, p.v, (p.k_cache.clone(), p.v_cache.clone()), meta)
+    decode = next(i for i, s in enumerate(p.specs) if (s.context_len, s.query_len) == (23, 1))
+    row = sum(s.query_len for s in p.specs[:decode])
+    alone = build_attention_metadata([p.specs[decode]], 4, listed=True)
+    one = paged_attention(p.q[row : row + 1], p.k[row : row + 1], p.v[row : row + 1],
+                          (p.k_cache.clone(), p.v_cache.clone()), alone)
+    assert torch.equal(one[0], together[row])

@@ -9,6 +9,7 @@ import torch
 
 from engine.config import CacheConfig, SpeculativeConfig
 from engine.gpu_memory import gpu_kv_blocks
+from engine.layers import cpu_kernels
 from engine.llm_engine import LLMEngine
 from tests.conftest import check_no_lost_blocks, engine_config
 from tests.engine_core.engine_helpers import greedy, run
@@ -38,13 +39,15 @@ def outputs(model, backend: str, speculative: SpeculativeConfig | None, block_si
         check_no_lost_blocks(engine)
 
 
+@pytest.mark.parametrize("backend", ["torch_varlen", pytest.param("cpu", marks=pytest.mark.skipif(
+    cpu_kernels.load() is None, reason="no AVX2/FMA CPU or no C compiler"))])
 @pytest.mark.parametrize("spec", [None, SpeculativeConfig(method="ngram", num_speculative_tokens=3, verify_cost=0.1)],
                          ids=["plain", "ngram-chains"])
-def test_torch_varlen_gives_the_reference_tokens(tiny_model, spec):
+def test_backend_gives_the_reference_tokens(tiny_model, spec, backend):
     model = tiny_model(vocab_size=VOCAB, seed=0)
     ref, _, name = outputs(model, "torch", spec)
-    got, drafted, got_name = outputs(model, "torch_varlen", spec)
-    assert (name, got_name) == ("torch", "torch_varlen")
+    got, drafted, got_name = outputs(model, backend, spec)
+    assert (name, got_name) == ("torch", backend)
     assert got == ref
     assert (drafted > 0) == (spec is not None)  # the chains case did verify drafts
 

@@ -4,20 +4,22 @@
  * gemv_f32: y [M, N] = x [M, K] @ w [N, K]^T (a handful of rows; any M works).
  * At a few rows a linear layer is a stream over its weights: every weight is
  * read from memory once and used M times. Each thread takes a contiguous range
- * of output features; for each, the weight row is streamed once (software
- * prefetch PREFETCH floats ahead, four independent accumulators so that the
- * FMA latency never stalls the stream) and re-read from L1 for the other input
- * rows, three at a time. Every row is summed in the same order, so a token's
- * result is the same bits alone or among drafts and other requests.
+ * of output features, four at a time; their four weight rows are streamed once
+ * (software prefetch PREFETCH floats ahead) and re-read from L1 for the input
+ * rows, three at a time: a 3 x 4 tile of accumulators. Every row is summed in
+ * the same order, so a token's result is the same bits alone or among drafts
+ * and other requests.
  *
  * rms_norm_f32: RMSNorm of each row.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define PREFETCH 128
-#define ROWS 3 /* input rows per pass over a weight row */
+#define ROWS 3 /* input rows per tile */
+#define COLS 4 /* weight rows (output features) per tile */
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -26,41 +28,54 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* y[m] = sum_k w[k] * x[m][k] for R = 1 to 3 rows of x, each with four accumulators
- * over k (stride 32), summed in the same order whatever R is and wherever the row
- * sits: a row's result never depends on the other rows of the batch. The first
- * call for a weight row prefetches its next lines (it streams the row into L1). */
-static inline __attribute__((always_inline)) void dot_rows(const float *w, const float *x, int64_t K, int R,
-                                                            int prefetch, float *y, int64_t y_stride) {
-    __m256 a[ROWS][4];  /* ROWS x 4 accumulators + a weight and an input vector: 14 of 16 registers */
+/* y[r][c] = w[c] . x[r] for R <= ROWS input rows and C <= COLS weight rows: R x C
+ * accumulators, each one chain over k in steps of 8, then a horizontal sum and the
+ * scalar tail. Every (row, feature) is summed in that order whatever R, C and the
+ * row's place in the batch are, so a row's result never depends on the batch. Each
+ * step loads R input vectors and C weight vectors for R x C FMAs (12 for 7 loads at
+ * 3 x 4). The first pass over a tile (first) prefetches the weights ahead: it
+ * streams them into L1, where the later passes over the next input rows find them. */
+static inline __attribute__((always_inline)) void tile(const float *w, const float *x, int64_t K, int R, int C,
+                                                        int first, float *y, int64_t N) {
+    __m256 a[ROWS][COLS];
     for (int r = 0; r < ROWS; r++)
-        for (int j = 0; j < 4; j++) a[r][j] = _mm256_setzero_ps();
+        for (int c = 0; c < COLS; c++) a[r][c] = _mm256_setzero_ps();
     int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        if (prefetch) {
-            _mm_prefetch((const char *)(w + k + PREFETCH), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w + k + PREFETCH + 16), _MM_HINT_T0);
-        }
-        for (int j = 0; j < 4; j++) {
-            __m256 v = _mm256_loadu_ps(w + k + 8 * j);
-            for (int r = 0; r < R; r++) a[r][j] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + r * K + k + 8 * j), a[r][j]);
+    for (; k + 8 <= K; k += 8) {
+        __m256 xv[ROWS];
+        for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(x + r * K + k);
+        for (int c = 0; c < C; c++) {
+            if (first && (k & 15) == 0) _mm_prefetch((const char *)(w + c * K + k + PREFETCH), _MM_HINT_T0);
+            __m256 wv = _mm256_loadu_ps(w + c * K + k);
+            for (int r = 0; r < R; r++) a[r][c] = _mm256_fmadd_ps(wv, xv[r], a[r][c]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        float s = hsum(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
-        for (int64_t t = k; t < K; t++) s += w[t] * x[r * K + t];
-        y[r * y_stride] = s;
-    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            float s = hsum(a[r][c]);
+            for (int64_t t = k; t < K; t++) s += w[c * K + t] * x[r * K + t];
+            y[r * N + c] = s;
+        }
+}
+
+/* One tile of C weight rows (C known at compile time in each call) against every input row. */
+static inline __attribute__((always_inline)) void tile_rows(const float *w, const float *x, float *y, int64_t M,
+                                                             int64_t N, int64_t K, int C) {
+    int64_t m = 0;
+    for (; m + ROWS <= M; m += ROWS) tile(w, x + m * K, K, ROWS, C, m == 0, y + m * N, N);
+    if (M - m == 2) tile(w, x + m * K, K, 2, C, m == 0, y + m * N, N);
+    if (M - m == 1) tile(w, x + m * K, K, 1, C, m == 0, y + m * N, N);
 }
 
 void gemv_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
+    const int64_t tiles = (N + COLS - 1) / COLS;
     #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t n = 0; n < N; n++) {
-        const float *row = w + n * K;
-        int64_t m = 0;
-        for (; m + ROWS <= M; m += ROWS) dot_rows(row, x + m * K, K, ROWS, m == 0, y + m * N + n, N);
-        if (M - m == 2) dot_rows(row, x + m * K, K, 2, m == 0, y + m * N + n, N);
-        if (M - m == 1) dot_rows(row, x + m * K, K, 1, m == 0, y + m * N + n, N);
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n = t * COLS;
+        if (n + COLS <= N)
+            tile_rows(w + n * K, x, y + n, M, N, K, COLS);
+        else
+            for (int64_t c = n; c < N; c++) tile_rows(w + c * K, x, y + c, M, N, K, 1);
     }
 }
 
@@ -87,5 +102,141 @@ void rms_norm_f32(const float *x, const float *w, float *y, int64_t T, int64_t H
         for (; k + 8 <= H; k += 8)
             _mm256_storeu_ps(yr + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + k), s), _mm256_loadu_ps(w + k)));
         for (; k < H; k++) yr[k] = xr[k] * scale * w[k];
+    }
+}
+
+/* exp(x) of 8 floats (Cephes' expf: x = n ln2 + r, e^r by a degree-6 polynomial,
+ * 2^n through the exponent bits); relative error below 2e-7, x clamped to [-87, 88]. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float exp1(float x) { /* the same function on one float: vector lane 0 */
+    return _mm_cvtss_f32(_mm256_castps256_ps128(exp256(_mm256_set1_ps(x))));
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    float s = hsum(_mm256_add_ps(s0, s1));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* Attention of listed tokens over the paged KV cache.
+ *
+ * Token i (of n) is row rows[i] of q (row stride q_stride floats, H heads of D) and
+ * of out ([*, H, D], contiguous); it sees the keys and values at the slots
+ * slots[start[i]] .. slots[start[i] + len[i] - 1] of the caches ([num_slots, KVH, D]).
+ * Query head h reads KV head h / (H / KVH). One work item is a (token, KV head): its
+ * H / KVH query heads share each key and value as it is read. Scores are kept for
+ * the whole list (two passes: max, then exp and sums), in list order, so a token's
+ * result never depends on the other tokens of the step. */
+void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                         const int64_t *rows, const int64_t *start, const int64_t *len, const int64_t *slots,
+                         float *out, int64_t n, int64_t H, int64_t KVH, int64_t D, float scale, int num_threads) {
+    const int64_t rep = H / KVH;
+    int64_t max_len = 1;
+    for (int64_t i = 0; i < n; i++) max_len = len[i] > max_len ? len[i] : max_len;
+    #pragma omp parallel num_threads(n * KVH > 1 ? num_threads : 1)
+    {
+        float *scores = malloc(sizeof(float) * (rep * (max_len + 8) + rep * D));
+        float *acc = scores + rep * (max_len + 8);
+        #pragma omp for schedule(static)
+        for (int64_t item = 0; item < n * KVH; item++) {
+            const int64_t i = item / KVH, g = item % KVH, L = len[i];
+            const int64_t *sl = slots + start[i];
+            const float *qi = q + rows[i] * q_stride + g * rep * D;
+            for (int64_t j = 0; j < L; j++) {
+                const float *kj = k_cache + (sl[j] * KVH + g) * D;
+                for (int64_t r = 0; r < rep; r++) scores[r * (max_len + 8) + j] = dot(qi + r * D, kj, D) * scale;
+            }
+            for (int64_t r = 0; r < rep; r++) {
+                float *s = scores + r * (max_len + 8);
+                float m = -INFINITY, total = 0.0f;
+                for (int64_t j = 0; j < L; j++) m = s[j] > m ? s[j] : m;
+                int64_t j = 0;
+                __m256 vm = _mm256_set1_ps(m), vt = _mm256_setzero_ps();
+                for (; j + 8 <= L; j += 8) {
+                    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+                    _mm256_storeu_ps(s + j, e);
+                    vt = _mm256_add_ps(vt, e);
+                }
+                total = hsum(vt);
+                for (; j < L; j++) {
+                    s[j] = exp1(s[j] - m);
+                    total += s[j];
+                }
+                for (j = 0; j < L; j++) s[j] /= total;
+                for (int64_t d = 0; d < D; d++) acc[r * D + d] = 0.0f;
+            }
+            for (int64_t j = 0; j < L; j++) {
+                const float *vj = v_cache + (sl[j] * KVH + g) * D;
+                for (int64_t r = 0; r < rep; r++) {
+                    const float w = scores[r * (max_len + 8) + j];
+                    float *a = acc + r * D;
+                    int64_t d = 0;
+                    __m256 vw = _mm256_set1_ps(w);
+                    for (; d + 8 <= D; d += 8)
+                        _mm256_storeu_ps(a + d, _mm256_fmadd_ps(vw, _mm256_loadu_ps(vj + d), _mm256_loadu_ps(a + d)));
+                    for (; d < D; d++) a[d] += w * vj[d];
+                }
+            }
+            float *o = out + (rows[i] * H + g * rep) * D;
+            for (int64_t d = 0; d < rep * D; d++) o[d] = acc[d];
+        }
+        free(scores);
+    }
+}
+
+/* out [T, I] = silu(gu[:, :I]) * gu[:, I:] for gu [T, 2I]: the gated MLP's activation. */
+void silu_mul_f32(const float *gu, float *out, int64_t T, int64_t I, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(T >= 16 ? num_threads : 1)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        int64_t i = 0;
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= I; i += 8) {
+            __m256 x = _mm256_loadu_ps(g + i);
+            __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, x))));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+        }
+        for (; i < I; i++) o[i] = g[i] / (1.0f + exp1(-g[i])) * u[i];
+    }
+}
+
+/* y [T, nh, D] = x rotated by rope ("rotate half": the first and second halves of each
+ * head are the pair), x row t at x + t * x_stride, cos and sin [T, D] per token. */
+void rope_f32(const float *x, int64_t x_stride, const float *cos, const float *sin, float *y,
+              int64_t T, int64_t nh, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * D, *s = sin + t * D;
+        for (int64_t h = 0; h < nh; h++) {
+            const float *a = x + t * x_stride + h * D;
+            float *b = y + (t * nh + h) * D;
+            for (int64_t i = 0; i < half; i++) {
+                b[i] = a[i] * c[i] - a[i + half] * s[i];
+                b[i + half] = a[i + half] * c[i + half] + a[i] * s[i + half];
+            }
+        }
     }
 }
