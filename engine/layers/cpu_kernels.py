@@ -4,7 +4,10 @@ A decode step multiplies one row per request (plus its drafts) by every weight
 matrix: the time is the stream over the weights. oneDNN's skinny GEMM reads
 them at 14-22 GB/s on the bench machine, where a plain sum over the same bytes
 runs at 30-36 GB/s; ``gemv`` streams each weight row once, with prefetching,
-and reuses it from L1 for every input row. ``engine.layers.linear.calibrate_gemv``
+and reuses it from L1 for every input row (up to 8 rows; past that, 3 x 4 tiles
+of input rows and weight rows, where arithmetic starts to count).
+``paged_attention``, ``rope`` and ``silu_mul`` take the rest of a decode step's
+small ops: attention straight from the paged cache with no gather or padding. ``engine.layers.linear.calibrate_gemv``
 times it against oneDNN on the model's own weights at start-up and uses it only
 for the row counts where it is faster.
 

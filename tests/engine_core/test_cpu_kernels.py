@@ -14,7 +14,8 @@ needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2/FM
 @needs_kernel
 @pytest.mark.parametrize(
     "m, n, k",
-    [(1, 96, 64), (2, 7, 33), (3, 576, 576), (4, 5, 1536), (5, 130, 100), (8, 64, 31), (9, 3, 40)],
+    [(1, 96, 64), (2, 7, 33), (3, 576, 576), (4, 5, 1536), (5, 130, 100), (8, 64, 31), (9, 3, 40), (10, 130, 100),
+     (16, 64, 576), (33, 9, 37)],
 )
 def test_gemv_matches_matmul(m, n, k):
     """Odd row and feature counts, K not a multiple of the vector width, more rows than one block."""
@@ -83,6 +84,11 @@ def test_gemv_row_results_do_not_depend_on_the_batch():
     alone = torch.cat([cpu_kernels.gemv(x[i : i + 1], w) for i in range(7)])
     for m in range(1, 8):
         assert torch.equal(cpu_kernels.gemv(x[:m], w), alone[:m])
+    # Past 8 rows (many requests) the tiled kernel: again one order for every row count.
+    x = torch.randn(20, 200, generator=g)
+    full = cpu_kernels.gemv(x, w)
+    for m in (9, 10, 11, 12, 17):
+        assert torch.equal(cpu_kernels.gemv(x[:m], w), full[:m])
 
 
 @needs_kernel

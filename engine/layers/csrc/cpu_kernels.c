@@ -4,11 +4,14 @@
  * gemv_f32: y [M, N] = x [M, K] @ w [N, K]^T (a handful of rows; any M works).
  * At a few rows a linear layer is a stream over its weights: every weight is
  * read from memory once and used M times. Each thread takes a contiguous range
- * of output features, four at a time; their four weight rows are streamed once
- * (software prefetch PREFETCH floats ahead) and re-read from L1 for the input
- * rows, three at a time: a 3 x 4 tile of accumulators. Every row is summed in
- * the same order, so a token's result is the same bits alone or among drafts
- * and other requests.
+ * of output features. Up to SMALL_M rows (a decode step with its drafts), the
+ * weight rows are streamed one after another (software prefetch PREFETCH floats
+ * ahead, four accumulators so that the FMA latency never stalls the stream) and
+ * re-read from L1 for the input rows, three at a time; every row is summed in
+ * the same order whatever M is, so a token's result is the same bits alone or
+ * beside its drafts. Past SMALL_M (many requests), where arithmetic starts to
+ * count, four weight rows at a time meet three input rows: a 3 x 4 tile of
+ * accumulators, 12 FMAs for 7 loads (one order for every M > SMALL_M).
  *
  * rms_norm_f32: RMSNorm of each row.
  */
@@ -20,6 +23,7 @@
 #define PREFETCH 128
 #define ROWS 3 /* input rows per tile */
 #define COLS 4 /* weight rows (output features) per tile */
+#define SMALL_M 8 /* up to this many input rows: one weight row at a time (one stream per thread) */
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -28,10 +32,37 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* y[m] = sum_k w[k] * x[m][k] for R = 1 to 3 rows of x, each with four accumulators
+ * over k (stride 32), summed in the same order whatever R is and wherever the row
+ * sits: a row's result never depends on the other rows of the batch. The first
+ * call for a weight row prefetches its next lines (it streams the row into L1). */
+static inline __attribute__((always_inline)) void dot_rows(const float *w, const float *x, int64_t K, int R,
+                                                            int prefetch, float *y, int64_t y_stride) {
+    __m256 a[ROWS][4];  /* ROWS x 4 accumulators + a weight and an input vector: 14 of 16 registers */
+    for (int r = 0; r < ROWS; r++)
+        for (int j = 0; j < 4; j++) a[r][j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        if (prefetch) {
+            _mm_prefetch((const char *)(w + k + PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + k + PREFETCH + 16), _MM_HINT_T0);
+        }
+        for (int j = 0; j < 4; j++) {
+            __m256 v = _mm256_loadu_ps(w + k + 8 * j);
+            for (int r = 0; r < R; r++) a[r][j] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + r * K + k + 8 * j), a[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float s = hsum(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
+        for (int64_t t = k; t < K; t++) s += w[t] * x[r * K + t];
+        y[r * y_stride] = s;
+    }
+}
+
 /* y[r][c] = w[c] . x[r] for R <= ROWS input rows and C <= COLS weight rows: R x C
  * accumulators, each one chain over k in steps of 8, then a horizontal sum and the
  * scalar tail. Every (row, feature) is summed in that order whatever R, C and the
- * row's place in the batch are, so a row's result never depends on the batch. Each
+ * row's place in the batch are (for any M > SMALL_M). Each
  * step loads R input vectors and C weight vectors for R x C FMAs (12 for 7 loads at
  * 3 x 4). The first pass over a tile (first) prefetches the weights ahead: it
  * streams them into L1, where the later passes over the next input rows find them. */
@@ -67,7 +98,18 @@ static inline __attribute__((always_inline)) void tile_rows(const float *w, cons
     if (M - m == 1) tile(w, x + m * K, K, 1, C, m == 0, y + m * N, N);
 }
 
-void gemv_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
+static void gemv_rows(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t n = 0; n < N; n++) {
+        const float *row = w + n * K;
+        int64_t m = 0;
+        for (; m + ROWS <= M; m += ROWS) dot_rows(row, x + m * K, K, ROWS, m == 0, y + m * N + n, N);
+        if (M - m == 2) dot_rows(row, x + m * K, K, 2, m == 0, y + m * N + n, N);
+        if (M - m == 1) dot_rows(row, x + m * K, K, 1, m == 0, y + m * N + n, N);
+    }
+}
+
+static void gemv_tiles(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
     const int64_t tiles = (N + COLS - 1) / COLS;
     #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t t = 0; t < tiles; t++) {
@@ -77,6 +119,13 @@ void gemv_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, in
         else
             for (int64_t c = n; c < N; c++) tile_rows(w + c * K, x, y + c, M, N, K, 1);
     }
+}
+
+void gemv_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
+    if (M <= SMALL_M)
+        gemv_rows(x, w, y, M, N, K, num_threads);
+    else
+        gemv_tiles(x, w, y, M, N, K, num_threads);
 }
 
 /* y [T, H] = w * x / sqrt(mean(x^2) + eps) per row. One pass to sum the squares,
