@@ -3,14 +3,16 @@
     .venv/bin/python -m bench.peers [--servers specserve,specserve-ngram,vllm,vllm-ngram] [--peers-dir ~/peers]
         [--baseline CHECKOUT]   # also specserve-baseline[-ngram]: an older commit, side by side
 
-One server at a time on loopback, each measured the same way through
+Every server is started at once on loopback and measured the same way through
 ``/v1/chat/completions`` (greedy, ``ignore_eos``, 128 new tokens, prompt
-processing included):
+processing included), interleaved: each prompt goes to each server in turn, in
+``--rounds`` passes, so that the machine's drifting speed (on the bench machine
+it moves by a third over minutes) hits every server alike:
 
 - ``b1 chat`` / ``b1 copy``: batch 1, median tokens/s over 4 chat prompts (one
   per MT-Bench-style category) and over 4 copy-heavy ones (Spec-Bench
-  summarization and rag);
-- ``c16``: 16 other chat prompts sent at once, total tokens/s;
+  summarization and rag), every round;
+- ``c16``: 16 other chat prompts sent at once, total tokens/s, median over rounds;
 - ``turn 2 TTFT``: a conversation whose first turn is about 1,500 tokens; the
   time to first token of its second turn (history + a short question) over
   the first turn's, streamed: what a prefix cache saves.
@@ -141,29 +143,44 @@ def conversation_prompt() -> str:
     return "Read this text.\n\n" + text + "\n\nSummarize its first part in two sentences."
 
 
-def measure(url: str, chat_ps: list[str], copy_ps: list[str], conc_ps: list[str]) -> dict:
-    chat(url, [{"role": "user", "content": "Say hello."}], 8)  # warm-up, not counted
-    b1 = {}
-    for group, ps in (("chat", chat_ps), ("copy", copy_ps)):
-        runs = [chat(url, [{"role": "user", "content": p}], MAX_TOKENS) for p in ps]
-        b1[group] = runs
-        print(f"  b1 {group}: " + " ".join(f"{r['tokens'] / r['wall_s']:.1f}" for r in runs), flush=True)
-    results, conc_wall = run_at_once(lambda p: chat(url, [{"role": "user", "content": p}], MAX_TOKENS), conc_ps)
-    conc_tokens = sum(r["tokens"] for r in results if r)
-    print(f"  c{len(conc_ps)}: {conc_tokens / conc_wall:.1f} tok/s", flush=True)
-    history = [{"role": "user", "content": conversation_prompt()}]
-    turn1 = chat(url, history, 32, stream=True)
-    history += [{"role": "assistant", "content": turn1["text"]}, {"role": "user", "content": "Now the second one."}]
-    turn2 = chat(url, history, 32, stream=True)
-    print(f"  turns: TTFT {turn1['ttft_s']:.2f} s then {turn2['ttft_s']:.2f} s", flush=True)
-    return {
-        "b1_chat": statistics.median(r["tokens"] / r["wall_s"] for r in b1["chat"]),
-        "b1_copy": statistics.median(r["tokens"] / r["wall_s"] for r in b1["copy"]),
-        "c16": conc_tokens / conc_wall,
-        "ttft_turn1_s": turn1["ttft_s"],
-        "ttft_turn2_s": turn2["ttft_s"],
-        "texts": [r["text"] for g in ("chat", "copy") for r in b1[g]],
-    }
+def measure(urls: dict[str, str], chat_ps: list[str], copy_ps: list[str], conc_ps: list[str], rounds: int) -> dict:
+    """Every server is up at once and each request goes to each server in turn (per prompt,
+    per round), so that a drift of the machine's speed over the run hits them all alike."""
+    for url in urls.values():
+        chat(url, [{"role": "user", "content": "Say hello."}], 8)  # warm-up, not counted
+    speed = {n: {"chat": [], "copy": [], "c16": []} for n in urls}
+    texts: dict[str, list[str]] = {n: [] for n in urls}
+    for rnd in range(rounds):
+        for group, ps in (("chat", chat_ps), ("copy", copy_ps)):
+            for p in ps:
+                for n, url in urls.items():
+                    r = chat(url, [{"role": "user", "content": p}], MAX_TOKENS)
+                    speed[n][group].append(r["tokens"] / r["wall_s"])
+                    if rnd == 0:
+                        texts[n].append(r["text"])
+        for n, url in urls.items():
+            results, wall = run_at_once(lambda p: chat(url, [{"role": "user", "content": p}], MAX_TOKENS), conc_ps)
+            speed[n]["c16"].append(sum(r["tokens"] for r in results if r) / wall)
+        for n in urls:
+            s = speed[n]
+            print(f"  round {rnd} {n}: b1 chat {statistics.median(s['chat'][-len(chat_ps):]):.1f}, copy "
+                  f"{statistics.median(s['copy'][-len(copy_ps):]):.1f}, c{len(conc_ps)} {s['c16'][-1]:.1f} tok/s", flush=True)
+    out = {}
+    for n, url in urls.items():
+        history = [{"role": "user", "content": conversation_prompt()}]
+        turn1 = chat(url, history, 32, stream=True)
+        history += [{"role": "assistant", "content": turn1["text"]}, {"role": "user", "content": "Now the second one."}]
+        turn2 = chat(url, history, 32, stream=True)
+        print(f"  {n} turns: TTFT {turn1['ttft_s']:.2f} s then {turn2['ttft_s']:.2f} s", flush=True)
+        out[n] = {
+            "b1_chat": statistics.median(speed[n]["chat"]),
+            "b1_copy": statistics.median(speed[n]["copy"]),
+            "c16": statistics.median(speed[n]["c16"]),
+            "ttft_turn1_s": turn1["ttft_s"],
+            "ttft_turn2_s": turn2["ttft_s"],
+            "texts": texts[n],
+        }
+    return out
 
 
 def report(results: dict, command: str) -> None:
@@ -184,8 +201,9 @@ def report(results: dict, command: str) -> None:
     if pairs:
         body += "\n\n" + markdown_table(["greedy texts (batch-1 prompts)", "identical"], pairs)
     body += (f"\n\nGreedy, {MAX_TOKENS} new tokens with ignore_eos, prompt processing included; batch 1 is "
-             "the median over prompts, 16 concurrent the total over the wall time. One server at a time "
-             "on this machine, in one run: compare ratios, not absolute figures across runs. "
+             "the median over prompts and rounds, 16 concurrent the total over the wall time (median over rounds). "
+             "Every server up at once, each request sent to each in turn: compare ratios, not absolute figures "
+             "across runs. "
              "llama.cpp (if listed) runs Q4_1 weights, the others float32.\n\n![peers](peers.png)")
     write_report("peers", "specserve and its peers through one client (SmolLM2-135M-Instruct)", body, command)
     (RESULTS / "peers.json").write_text(json.dumps(results, indent=1))
@@ -217,22 +235,26 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, default=None,
                     help="a checkout of an older specserve commit, served as specserve-baseline[-ngram]")
     args = ap.parse_args()
+    ap.add_argument("--rounds", type=int, default=2, help="passes over the prompts, every server in each")
+    args = ap.parse_args()
     chat_ps, copy_ps, conc_ps = prompts(4, 4, 16)
-    results = {}
-    for name in args.servers.split(","):
-        port = free_port()
-        spec = server_command(name, port, args.peers_dir, args.baseline)
-        if spec is None:
-            print(f"[{name}] not installed in {args.peers_dir}; skipped", flush=True)
-            continue
-        print(f"[{name}] starting", flush=True)
-        proc = start(*spec, Path(tempfile.gettempdir()) / f"specserve-peers-{name}.log")
-        try:
-            results[name] = measure(f"http://127.0.0.1:{port}", chat_ps, copy_ps, conc_ps)
-        finally:
+    procs, urls = [], {}
+    try:
+        for name in args.servers.split(","):
+            port = free_port()
+            spec = server_command(name, port, args.peers_dir, args.baseline)
+            if spec is None:
+                print(f"[{name}] not installed in {args.peers_dir}; skipped", flush=True)
+                continue
+            print(f"[{name}] starting", flush=True)
+            procs.append(start(*spec, Path(tempfile.gettempdir()) / f"specserve-peers-{name}.log"))
+            urls[name] = f"http://127.0.0.1:{port}"
+        results = measure(urls, chat_ps, copy_ps, conc_ps, args.rounds)
+    finally:
+        for proc in procs:
             stop(proc, 60)
     baseline = f" --baseline {args.baseline}" if args.baseline else ""
-    report(results, "python -m bench.peers --servers " + ",".join(results) + baseline)
+    report(results, f"python -m bench.peers --servers {','.join(results)} --rounds {args.rounds}{baseline}")
 
 
 if __name__ == "__main__":

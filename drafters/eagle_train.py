@@ -1,11 +1,16 @@
 """``specserve train-eagle``: trains an EAGLE-3 head for a target on the CPU.
 
-Data: the Python documentation topics that CPython ships (``pydoc_data.topics``), each
-put in the target's chat template as a user question and an assistant answer, cut
-into sequences of ``seq_len`` tokens. Labels are the target's own: for every batch the
-target runs once (no gradient) and gives the three features the head reads and its
-next-token distribution, restricted to the draft vocabulary (the ``draft_vocab`` most
-frequent tokens of the corpus) and renormalized.
+Data: self-distillation. The target answers ~560 chat prompts written here (eight
+templates over fifty subjects of science, history, the arts and economics, and small
+coding tasks in three languages) greedily, ``answer_tokens`` each, with the engine,
+once (kept for resumed runs); the chats are cut into sequences of ``seq_len`` tokens.
+The head so learns the text it will draft: the target's own. Labels are the target's
+too: for every batch the target runs once (no gradient) and gives the three features
+the head reads and its next-token distribution, restricted to the draft vocabulary
+(the ``draft_vocab`` most frequent tokens of the corpus) and renormalized.
+
+The target's labels of a sequence are computed the first time it is drawn and kept
+(``LabelCache``): later epochs cost the head's passes only.
 
 Loss: EAGLE-3's training-time test over ``ttt_steps`` steps. Step 0 is the head over
 the target's pairs ``(f_b, t_{b+1})``, predicting ``t_{b+2}``; step j feeds the head's
@@ -40,6 +45,7 @@ class TrainConfig:
     batch_size: int = 4
     seq_len: int = 256
     draft_vocab: int = 8192
+    answer_tokens: int = 160  # the target's answer per distillation prompt
     ttt_steps: int = 3
     lr: float = 1e-3
     warmup: int = 10
@@ -47,18 +53,72 @@ class TrainConfig:
     seed: int = 0
 
 
-def corpus(tokenizer, seq_len: int) -> list[list[int]]:
-    """Token sequences of ``seq_len`` from the stdlib's documentation topics, as chats."""
-    from pydoc_data.topics import topics
+# Prompts for self-distillation: the target answers them and the head learns from the
+# answers (written for this module; no benchmark's questions).
+SUBJECTS = (
+    "photosynthesis", "black holes", "the French Revolution", "supply and demand", "the immune system",
+    "plate tectonics", "the Roman Empire", "machine learning", "climate change", "the printing press",
+    "quantum mechanics", "the water cycle", "Shakespeare's plays", "the stock market", "DNA replication",
+    "the Industrial Revolution", "volcanoes", "democracy", "the human brain", "renewable energy",
+    "ancient Egypt", "probability", "the solar system", "impressionist painting", "vaccines",
+    "the Cold War", "electricity", "philosophy of mind", "ocean currents", "the Renaissance",
+    "inflation", "evolution by natural selection", "the internet", "Greek mythology", "nutrition",
+    "the theory of relativity", "world religions", "chemical bonds", "urban planning", "jazz music",
+    "the Silk Road", "sleep", "cryptography", "ethics", "rainforests", "the Moon landing",
+    "linear algebra", "public health", "the novel as a literary form", "earthquakes",
+)
+TEMPLATES = (
+    "Explain {} to a beginner.",
+    "What are the most important ideas about {}?",
+    "Write a short essay about {}.",
+    "Give five interesting facts about {}.",
+    "How does {} affect everyday life?",
+    "Describe the history of {}.",
+    "What are common misconceptions about {}?",
+    "Write a lesson plan for teaching {}.",
+)
+CODING_TASKS = (
+    "reverses a string", "checks whether a number is prime", "merges two sorted lists", "counts word frequencies",
+    "computes Fibonacci numbers", "finds the longest common prefix", "validates an email address",
+    "flattens a nested list", "implements binary search", "parses a CSV line", "removes duplicates from a list",
+    "computes the factorial of n", "checks for balanced parentheses", "converts Celsius to Fahrenheit",
+    "finds the median of a list", "implements a stack class", "transposes a matrix", "sorts a dictionary by value",
+    "computes the greatest common divisor", "reads a file and counts its lines",
+)
 
-    tokens: list[int] = []
-    for name in sorted(topics):
-        chat = [
-            {"role": "user", "content": f"Explain the Python topic '{name}'."},
-            {"role": "assistant", "content": topics[name].strip()},
-        ]
-        ids = tokenizer.apply_chat_template(chat, tokenize=True)
-        tokens.extend(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+def distillation_prompts() -> list[str]:
+    """Chat prompts: every template over every subject, and coding tasks in three languages."""
+    prompts = [t.format(s) for s in SUBJECTS for t in TEMPLATES]
+    prompts += [f"Write a {lang} function that {task}." for task in CODING_TASKS for lang in ("Python", "JavaScript", "C++")]
+    return prompts
+
+
+def self_distilled(path, max_tokens: int, out: Path) -> list[list[int]]:
+    """Each prompt in the chat template followed by the target's own greedy answer
+    (``max_tokens`` at most), generated once with the engine and kept in
+    ``out/train/distilled.json`` for resumed runs."""
+    file = out / "train" / "distilled.json"
+    if file.is_file():
+        return json.loads(file.read_text())
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(path), max_model_len=1024, max_num_seqs=64)
+    prompts = [
+        llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        for p in distillation_prompts()
+    ]
+    ids = [llm.engine.tokenize(p) for p in prompts]
+    outputs = llm.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0))
+    chats = [o.prompt_token_ids + o.token_ids for o in outputs]
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps(chats))
+    return chats
+
+
+def corpus(chats: list[list[int]], seq_len: int) -> list[list[int]]:
+    """The chats one after another, cut into sequences of ``seq_len`` tokens."""
+    tokens = [t for c in chats for t in c]
     return [tokens[i : i + seq_len] for i in range(0, len(tokens) - seq_len + 1, seq_len)]
 
 
@@ -154,22 +214,52 @@ def ttt_loss(head: EagleHead, feats, tokens, target_p, steps: int):
     return total, accs
 
 
+class LabelCache:
+    """The target's labels of each training sequence, computed once (the target's pass
+    costs most of a step): features kept in bfloat16, the next-token distribution over
+    the draft vocabulary as its ``top`` likeliest tokens, renormalized."""
+
+    def __init__(self, target, sequences: list[list[int]], layers, draft_ids: torch.Tensor, kv, block: int,
+                 top: int = 32):
+        self.target, self.sequences, self.layers, self.draft_ids = target, sequences, layers, draft_ids
+        self.kv, self.block, self.top = kv, block, top
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def batch(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> features [B, N, F] and target probabilities [B, N, D] of sequences ``idx``."""
+        missing = [i for i in idx if i not in self.kept]
+        per_pass = max(1, self.kv.num_blocks * self.block // len(self.sequences[0]))  # sequences the KV cache holds
+        for start in range(0, len(missing), per_pass):
+            part = missing[start : start + per_pass]
+            feats, probs = target_labels(self.target, torch.tensor([self.sequences[i] for i in part]), self.layers,
+                                         self.draft_ids, self.kv, self.block)
+            p, ids = probs.topk(self.top, dim=-1)
+            for j, i in enumerate(part):
+                self.kept[i] = (feats[j].bfloat16(), ids[j].to(torch.int16), (p[j] / p[j].sum(-1, keepdim=True)).half())
+        feats = torch.stack([self.kept[i][0] for i in idx]).float()
+        ids = torch.stack([self.kept[i][1] for i in idx]).long()
+        p = torch.stack([self.kept[i][2] for i in idx]).float()
+        dense = torch.zeros(*ids.shape[:2], len(self.draft_ids)).scatter_(2, ids, p)
+        return feats, dense
+
+
 def train(cfg: TrainConfig) -> Path:
     """Trains (or resumes) the head in ``cfg.out``; returns that directory."""
     from tqdm import tqdm
 
-    from engine.loader import load_model, load_tokenizer
+    from engine.loader import load_model
     from engine.model_store import resolve_model
     from kvcache.tensors import KVSpec, PagedKV
     from engine.models.llama import head_dim_of
 
+    start = time.monotonic()  # the budget covers the distillation too
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     path = resolve_model(cfg.model)
     target = load_model(path, torch.float32, torch.device("cpu"), max_positions=cfg.seq_len)
     for p in target.parameters():
         p.requires_grad_(False)
-    sequences = corpus(load_tokenizer(path), cfg.seq_len)
+    sequences = corpus(self_distilled(path, cfg.answer_tokens, out), cfg.seq_len)
     gen = torch.Generator().manual_seed(cfg.seed)
     order = torch.randperm(len(sequences), generator=gen).tolist()
     state = _load_state(out)
@@ -184,13 +274,14 @@ def train(cfg: TrainConfig) -> Path:
     block = 16
     kv = PagedKV(KVSpec(tc.num_hidden_layers, tc.num_key_value_heads, head_dim_of(tc), block, torch.float32),
                  cfg.batch_size * cfg.seq_len // block, "cpu")
+    labels = LabelCache(target, sequences, head.feature_layers, draft_ids, kv, block)
     step = log["steps"][-1] + 1 if log["steps"] else 0
-    start, spent = time.monotonic(), log["elapsed_s"]
+    spent = log["elapsed_s"]
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train-eagle", unit="step")
     while step < cfg.max_steps and time.monotonic() - start < cfg.minutes * 60:
         idx = [order[(step * cfg.batch_size + i) % len(order)] for i in range(cfg.batch_size)]
         batch = torch.tensor([sequences[i] for i in idx])  # [B, N]
-        feats, target_p = target_labels(target, batch, head.feature_layers, draft_ids, kv, block)
+        feats, target_p = labels.batch(idx)
         for group in opt.param_groups:
             group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
         loss, accs = ttt_loss(head, feats, batch, target_p, cfg.ttt_steps)

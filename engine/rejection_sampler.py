@@ -18,73 +18,77 @@ With ``J`` drafts accepted (the *accepted* tokens), one more token is emitted:
   (greedy: ``argmax p_{J+1}``);
 * ``J = k``: the *bonus* token, sampled from ``p_{k+1}`` (greedy: its argmax).
 
-Appending a zero row to ``q`` makes the bonus case the residual formula at
-``J = k``. The output is ``[n, K + 1]``: accepted drafts, then the recovered or
+Taking ``q_{k+1} = 0`` makes the bonus case the residual formula at ``J = k``.
+
+Inputs are flat (``engine.spec_decode.metadata``): ``R = D + n`` rows of
+distributions, request after request, and the ``D`` drafts with their offsets;
+nothing is padded to the longest request. The output is ``[n, K + 1]`` token ids
+(``K`` the most drafts of a request): accepted drafts, then the recovered or
 bonus token, then ``PLACEHOLDER`` padding.
 """
 
 import torch
 
+from engine.spec_decode.metadata import VerifyMetadata
+
 PLACEHOLDER = -1
 
 
 def rejection_sample(
-    target_probs: torch.Tensor,  # [n, K + 1, V] processed p; unused rows arbitrary
-    target_argmax: torch.Tensor,  # [n, K + 1] greedy choice of the target per row
-    draft_ids: torch.Tensor,  # [n, K] long, PLACEHOLDER past num_drafts
-    draft_probs: torch.Tensor | None,  # [n, K, V] q; None: every draft is deterministic (one-hot q)
-    num_drafts: torch.Tensor,  # [n] long
+    target_probs: torch.Tensor,  # [R, V] processed p, request after request (k_r + 1 rows each)
+    target_argmax: torch.Tensor,  # [R] greedy choice of the target per row
+    meta: VerifyMetadata,
     greedy: torch.Tensor,  # [n] bool
-    uniforms: torch.Tensor,  # [n, K] U[0, 1)
+    uniforms: torch.Tensor,  # [D] U[0, 1), one per draft
     noise: torch.Tensor,  # [n, V] Exp(1), for the recovered / bonus token
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(output_ids [n, K + 1], num_accepted [n])``."""
-    n, k_max = draft_ids.shape
-    pos = torch.arange(k_max, device=draft_ids.device).unsqueeze(0)  # [1, K]
-    drafted = pos < num_drafts.unsqueeze(1)  # [n, K]
-    safe_ids = draft_ids.clamp(min=0)
-    p_x = target_probs[:, :k_max].gather(2, safe_ids.unsqueeze(2)).squeeze(2)  # [n, K]
-    if draft_probs is None:
-        q_x = torch.ones_like(p_x)
-    else:
-        q_x = draft_probs.gather(2, safe_ids.unsqueeze(2)).squeeze(2)
+    ids, rows = meta.draft_token_ids, meta.target_logits_indices  # [D], [D]
+    p_x = target_probs[rows, ids]  # [D]
+    q_x = torch.ones_like(p_x) if meta.draft_probs is None else meta.draft_probs[torch.arange(len(ids)), ids]
     accept_random = uniforms * q_x < p_x  # u < p/q without dividing by a zero q
-    accept_greedy = draft_ids == target_argmax[:, :k_max]
-    accept = torch.where(greedy.unsqueeze(1), accept_greedy, accept_random) & drafted
-    num_accepted = accept.int().cumprod(dim=1).sum(dim=1)  # [n]
+    accept_greedy = ids == target_argmax[rows]
+    accept = torch.where(greedy[meta.request_index], accept_greedy, accept_random)  # [D]
+    num_accepted = _first_rejection(accept, meta)  # [n]
 
     # The distribution of the extra token at row J: residual, or p itself at J = k.
-    rows = num_accepted.view(n, 1, 1).expand(n, 1, target_probs.shape[2])
-    p_j = target_probs.gather(1, rows).squeeze(1)  # [n, V]
-    q_j = _draft_row(draft_probs, draft_ids, num_accepted, num_drafts, p_j)
+    p_j = target_probs[meta.first_rows + num_accepted]  # [n, V]
+    q_j = _draft_row(meta, num_accepted, p_j)
     recovered = (residual_distribution(p_j, q_j) / noise).argmax(dim=1)  # exponential race
-    extra = torch.where(greedy, target_argmax.gather(1, num_accepted.unsqueeze(1)).squeeze(1), recovered)
-
-    return _assemble(draft_ids, num_accepted, extra), num_accepted
-
-
-def greedy_verify(
-    target_argmax: torch.Tensor,  # [n, K + 1]
-    draft_ids: torch.Tensor,  # [n, K] long, PLACEHOLDER past num_drafts
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rule when every request is greedy: keep the longest prefix of drafts
-    equal to the target's argmaxes, then the target's argmax after it.
-    Same outputs as ``rejection_sample`` with all ``greedy`` set, without
-    distributions or randomness. Returns ``(output_ids [n, K + 1], num_accepted [n])``."""
-    accept = draft_ids == target_argmax[:, : draft_ids.shape[1]]  # PLACEHOLDER never matches
-    num_accepted = accept.int().cumprod(dim=1).sum(dim=1)  # [n]
-    extra = target_argmax.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
-    return _assemble(draft_ids, num_accepted, extra), num_accepted
+    extra = torch.where(greedy, target_argmax[meta.first_rows + num_accepted], recovered)
+    return _assemble(meta, num_accepted, extra), num_accepted
 
 
-def _assemble(draft_ids: torch.Tensor, num_accepted: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+def greedy_verify(target_argmax: torch.Tensor, meta: VerifyMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule when every request is greedy (target_argmax [R]): keep the longest prefix of
+    drafts equal to the target's argmaxes, then the target's argmax after it. Same outputs
+    as ``rejection_sample`` with all ``greedy`` set, without distributions or randomness.
+    Returns ``(output_ids [n, K + 1], num_accepted [n])``."""
+    accept = meta.draft_token_ids == target_argmax[meta.target_logits_indices]  # [D]
+    num_accepted = _first_rejection(accept, meta)
+    return _assemble(meta, num_accepted, target_argmax[meta.first_rows + num_accepted]), num_accepted
+
+
+def _first_rejection(accept: torch.Tensor, meta: VerifyMetadata) -> torch.Tensor:
+    """accept [D] -> [n] the index (within its request) of each request's first rejected
+    draft, k_r when none is: the number of accepted drafts of a chain."""
+    start = meta.cu_num_draft_tokens - meta.num_draft_tokens  # [n]
+    pos = torch.arange(len(accept), device=accept.device) - start[meta.request_index]  # [D]
+    rejected = ~accept
+    return meta.num_draft_tokens.clone().scatter_reduce(
+        0, meta.request_index[rejected], pos[rejected], reduce="amin", include_self=True
+    )
+
+
+def _assemble(meta: VerifyMetadata, num_accepted: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
     """[n, K + 1]: the accepted drafts, the extra token, PLACEHOLDER padding."""
-    n, k_max = draft_ids.shape
-    pos = torch.arange(k_max, device=draft_ids.device).unsqueeze(0)  # [1, K]
-    out = torch.full((n, k_max + 1), PLACEHOLDER, dtype=torch.long, device=draft_ids.device)
-    out[:, :k_max] = torch.where(pos < num_accepted.unsqueeze(1), draft_ids, PLACEHOLDER)
-    out.scatter_(1, num_accepted.unsqueeze(1), extra.unsqueeze(1))
-    return out
+    n, k_max = meta.num_requests, meta.max_num_draft_tokens
+    start = meta.cu_num_draft_tokens - meta.num_draft_tokens  # [n]
+    pos = torch.arange(k_max + 1, device=extra.device).unsqueeze(0)  # [1, K + 1]
+    src = (start.unsqueeze(1) + pos).clamp(max=max(len(meta.draft_token_ids) - 1, 0))  # [n, K + 1]
+    drafts = meta.draft_token_ids[src] if len(meta.draft_token_ids) else torch.zeros_like(src)
+    out = torch.where(pos < num_accepted.unsqueeze(1), drafts, PLACEHOLDER)
+    return out.scatter_(1, num_accepted.unsqueeze(1), extra.unsqueeze(1))
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -95,17 +99,15 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)
 
 
-def _draft_row(draft_probs, draft_ids, num_accepted, num_drafts, like: torch.Tensor) -> torch.Tensor:
+def _draft_row(meta: VerifyMetadata, num_accepted: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """q at row J (the first rejected draft); zeros when J = k (bonus). [n, V]."""
-    n, k_max = draft_ids.shape
-    rejected = num_accepted < num_drafts  # [n]
-    j = num_accepted.clamp(max=max(k_max - 1, 0))
-    if k_max == 0:
-        return torch.zeros_like(like)
-    if draft_probs is None:
-        q = torch.zeros_like(like)
-        ids = draft_ids.gather(1, j.unsqueeze(1)).clamp(min=0)  # [n, 1]
-        q.scatter_(1, ids, 1.0)
+    rejected = num_accepted < meta.num_draft_tokens  # [n]
+    q = torch.zeros_like(like)
+    if not rejected.any():
+        return q
+    d = (meta.cu_num_draft_tokens - meta.num_draft_tokens + num_accepted)[rejected]  # flat index of each rejected draft
+    if meta.draft_probs is None:
+        q[rejected] = q[rejected].scatter_(1, meta.draft_token_ids[d].unsqueeze(1), 1.0)
     else:
-        q = draft_probs.gather(1, j.view(n, 1, 1).expand(n, 1, like.shape[1])).squeeze(1)
-    return q * rejected.unsqueeze(1)
+        q[rejected] = meta.draft_probs[d]
+    return q

@@ -46,9 +46,10 @@ import torch
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
 from engine.spec_decode.drafter import Draft
+from engine.spec_decode.metadata import build_verify_metadata
 from engine import tree
 from engine.outputs import TokenLogprob
-from engine.rejection_sampler import PLACEHOLDER, greedy_verify, rejection_sample
+from engine.rejection_sampler import greedy_verify, rejection_sample
 from engine.sampler import (
     apply_bitmask,
     build_sampling_batch,
@@ -230,32 +231,37 @@ class ModelRunner:
         """Greedy matching / rejection sampling of every request's drafts (chains or
         trees) at once.
 
-        logits [R, vocab] with R = sum(k_r + 1) rows, request by request.
+        logits [R, vocab] with R = sum(k_r + 1) rows, request by request
+        (``engine.spec_decode.metadata``).
         """
         requests = [self.requests[s.request_id] for s in sched]
-        n = len(requests)
-        k = [len(d.token_ids) if d else 0 for d in drafts]
-        k_max = max(k)
-        row_req = np.repeat(np.arange(n), np.array(k) + 1)  # [R] request of each row
+        meta = build_verify_metadata([d.token_ids if d else [] for d in drafts], [d.parents if d else None for d in drafts],
+                                     [d.probs if d else None for d in drafts], self.vocab_size, self.device)
+        k = meta.num_draft_tokens.tolist()
+        row_req = np.repeat(np.arange(len(requests)), np.array(k) + 1)  # [R] request of each row
         row_pos = np.concatenate([np.arange(ki + 1) for ki in k])  # [R] row within its request
-        row_requests = [requests[i] for i in row_req]
         branches = [tree.path_tokens(d.token_ids, d.parents, len(d.token_ids)) if d else [[]] for d in drafts]
         prefixes = [tuple(branches[i][p]) for i, p in zip(row_req, row_pos)]
-        batch = build_sampling_batch(row_requests, self.vocab_size, self.device, [None] * len(row_req), prefixes)
-        rr, rp = self._t(row_req), self._t(row_pos)
+        batch = build_sampling_batch([requests[i] for i in row_req], self.vocab_size, self.device,
+                                     [None] * len(row_req), prefixes)
         masked = self._masked(logits, [(requests[i].request_id, p) for i, p in zip(row_req, row_pos)])
-        argmax = torch.zeros(n, k_max + 1, dtype=torch.long, device=self.device)
-        argmax[rr, rp] = penalized_logits(masked, batch).argmax(-1)
-        ids = np.full((n, k_max), PLACEHOLDER, dtype=np.int64)
-        ids[row_req[row_pos > 0], row_pos[row_pos > 0] - 1] = [t for d in drafts if d for t in d.token_ids]
-        draft_ids = self._t(ids)  # [n, k_max]
+        argmax = penalized_logits(masked, batch).argmax(-1)  # [R]
+        greedy = torch.tensor([r.params.greedy for r in requests], device=self.device)
         emit_rows = None  # chains: row i emits output token i
-        if any(d is not None and not tree.is_chain(d.parents) for d in drafts):
-            out, accepted, emit_rows = self._verify_trees(masked, batch, sched, drafts, argmax, draft_ids, k, rr, rp)
-        elif batch.all_greedy:
-            out, accepted = greedy_verify(argmax, draft_ids)
+        if batch.all_greedy:
+            probs = uniforms = noise = None
         else:
-            out, accepted = self._rejection_sample(masked, batch, requests, drafts, argmax, draft_ids, k, rr, rp)
+            probs = processed_probs(masked, batch)  # [R, V]
+            uniforms, noise = self._randomness(k, self._generators(requests))
+        if meta.children is not None:
+            out, accepted, nodes = tree_verify(argmax, meta, greedy, probs, uniforms, noise)
+            paths = [[x for x in row if x >= 0] for row in nodes.tolist()]
+            self._keep_accepted_paths(sched, paths)
+            emit_rows = [[0] + [x + 1 for x in p] for p in paths]
+        elif batch.all_greedy:
+            out, accepted = greedy_verify(argmax, meta)
+        else:
+            out, accepted = rejection_sample(probs, argmax, meta, greedy, uniforms, noise)
         result = RunnerOutput({}, num_drafted={}, num_accepted={})
         for i, (r, tokens, j) in enumerate(zip(requests, out.tolist(), accepted.tolist())):
             result.sampled[r.request_id] = tokens[: j + 1]
@@ -267,26 +273,6 @@ class ModelRunner:
         if batch.num_logprobs is not None:
             self._add_chain_logprobs(result, logits, row_req, row_pos, requests, batch.num_logprobs, emit_rows)
         return result
-    def _verify_trees(self, logits, batch, sched, drafts, argmax, draft_ids, k, rr, rp):
-        """Tree verification (``engine.tree_sampler``) of a batch with at least one tree,
-        then the accepted paths' KV moved into place. Returns the output ids, the
-        number accepted, and per request the rows that emitted its tokens."""
-        requests = [self.requests[s.request_id] for s in sched]
-        n, k_max = draft_ids.shape
-        parents = [(d.parents if d.parents is not None else tree.chain(len(d.token_ids))) if d else () for d in drafts]
-        children = self._t(tree.batch_children(parents, k_max))  # [n, k_max + 1, W]
-        greedy = torch.tensor([r.params.greedy for r in requests], device=self.device)
-        if batch.all_greedy:
-            out, accepted, nodes = tree_verify(children, draft_ids, argmax, greedy)
-        else:
-            probs = torch.zeros(n, k_max + 1, self.vocab_size, device=self.device)
-            probs[rr, rp] = processed_probs(logits, batch)
-            draft_probs = stack_draft_probs(drafts, draft_ids, self.vocab_size)
-            uniforms, noise = self._randomness(k, self._generators(requests))
-            out, accepted, nodes = tree_verify(children, draft_ids, argmax, greedy, probs, draft_probs, uniforms, noise)
-        paths = [[x for x in row if x >= 0] for row in nodes.tolist()]
-        self._keep_accepted_paths(sched, paths)
-        return out, accepted, [[0] + [x + 1 for x in p] for p in paths]
 
     def _keep_accepted_paths(self, sched: list[ScheduledRequest], paths: list[list[int]]) -> None:
         """Moves each accepted path's KV entries to the positions right after the
@@ -303,26 +289,17 @@ class ModelRunner:
             move_slots(self.kv, self._t(np.concatenate(src)), self._t(np.concatenate(dst)))
 
 
-    def _rejection_sample(self, logits, batch, requests, drafts, argmax, draft_ids, k, rr, rp):
-        """The rejection rule for a batch with sampled requests: builds p [n, K + 1, vocab]
-        (rows ``rr``, ``rp`` from ``logits``), q and the randomness, then verifies."""
-        n, k_max = draft_ids.shape
-        probs = torch.zeros(n, k_max + 1, self.vocab_size, device=self.device)
-        probs[rr, rp] = processed_probs(logits, batch)
-        draft_probs = stack_draft_probs(drafts, draft_ids, self.vocab_size)
-        uniforms, noise = self._randomness(k, self._generators(requests))
-        greedy = torch.tensor([r.params.greedy for r in requests], device=self.device)
-        return rejection_sample(probs, argmax, draft_ids, draft_probs, self._t(np.array(k)), greedy, uniforms, noise)
-
     def _randomness(self, k: list[int], gens: list[torch.Generator | None]):
-        """Uniforms [n, max(k)] and Exp(1) noise [n, vocab]. A seeded request draws its
-        own ``k[i]`` uniforms from its generator, so its draws do not depend on the batch."""
-        n, k_max = len(k), max(k)
-        uniforms = torch.rand(n, k_max, device=self.device)
-        for i, g in enumerate(gens):
+        """Uniforms [D] (one per draft, request after request) and Exp(1) noise [n, vocab].
+        A seeded request draws its own ``k[i]`` uniforms from its generator, so its draws
+        do not depend on the batch."""
+        uniforms = torch.rand(sum(k), device=self.device)
+        start = 0
+        for ki, g in zip(k, gens):
             if g is not None:
-                uniforms[i, : k[i]] = torch.rand(k[i], generator=g, device=self.device)
-        return uniforms, exponential_noise((n, self.vocab_size), gens, self.device)
+                uniforms[start : start + ki] = torch.rand(ki, generator=g, device=self.device)
+            start += ki
+        return uniforms, exponential_noise((len(k), self.vocab_size), gens, self.device)
 
     def _add_logprobs(self, result, logits, tokens, requests, top_n) -> None:
         lps = compute_logprobs(logits, tokens, top_n)
@@ -372,22 +349,6 @@ def _fed_tree(s: ScheduledRequest, draft: Draft | None) -> tuple[int, ...] | Non
     if draft is None or tree.is_chain(draft.parents):
         return None
     return tree.with_prefix(len(s.token_ids), draft.parents)
-
-
-def stack_draft_probs(drafts: list[Draft | None], draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
-    """q [n, K, vocab] of a batch's drafts (``draft_ids`` [n, K], PLACEHOLDER past each
-    request's drafts): a draft's own ``probs`` where it has them, one-hot at the drafted
-    token where it has none (a deterministic drafter), zeros past the drafts. None when
-    no draft has probs: the rejection sampler then takes every q as one-hot itself."""
-    if not any(d is not None and d.probs is not None for d in drafts):
-        return None
-    n, k_max = draft_ids.shape
-    q = torch.zeros(n, k_max, vocab_size, device=draft_ids.device)
-    q.scatter_(2, draft_ids.clamp(min=0).unsqueeze(2), (draft_ids >= 0).unsqueeze(2).to(q.dtype))
-    for i, d in enumerate(drafts):
-        if d is not None and d.probs is not None:
-            q[i, : len(d.token_ids)] = d.probs
-    return q
 
 
 def kept_features(features: torch.Tensor, sched, chains, result: RunnerOutput) -> dict[str, tuple[int, torch.Tensor]]:

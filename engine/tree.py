@@ -200,16 +200,3 @@ def walk(token_ids: list[int], parents: tuple[int, ...], accepted: list[int]) ->
             break
         row = kids[rank] + 1
     return out
-
-
-def batch_children(trees: list[tuple[int, ...]], max_nodes: int) -> np.ndarray:
-    """[n, max_nodes + 1, W] ``children_table`` of each request's tree, padded with
-    ``NO_CHILD`` (W: the most children of any node in the batch; at least 1)."""
-    width = max([max_children(p) for p in trees] + [1])
-    out = np.full((len(trees), max_nodes + 1, width), NO_CHILD, dtype=np.int64)
-    tables: dict[tuple[int, ...], np.ndarray] = {}
-    for i, p in enumerate(trees):
-        if p not in tables:
-            tables[p] = children_table(p, width)
-        out[i, : len(p) + 1] = tables[p]
-    return out

@@ -42,14 +42,17 @@ acceptance, the subtree is drafted from ``q`` conditioned on the branch, so the
 same argument applies level by level and the emitted sequence is distributed
 exactly as the target's.
 
-Output ``[n, D + 1]`` (``D`` the longest accepted path in the batch): the accepted path's tokens, the
-recovered or bonus token, ``PLACEHOLDER`` padding; ``num_accepted [n]``;
-``accepted_nodes [n, D]`` (node index per accepted depth, ``PLACEHOLDER`` past).
+Inputs are flat (``engine.spec_decode.metadata``): rows and drafts request after
+request, ``meta.children`` the tree of every row. Output ``[n, L + 1]`` (``L`` the
+longest accepted path in the batch): the accepted path's tokens, the recovered or
+bonus token, ``PLACEHOLDER`` padding; ``num_accepted [n]``; ``accepted_nodes
+[n, L]`` (node index within its request per accepted depth, ``PLACEHOLDER`` past).
 """
 
 import torch
 
 from engine.rejection_sampler import PLACEHOLDER, residual_distribution
+from engine.spec_decode.metadata import VerifyMetadata
 
 
 def next_target(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -63,70 +66,72 @@ def extra_distribution(r: torch.Tensor, p_node: torch.Tensor) -> torch.Tensor:
 
 
 def tree_verify(
-    children: torch.Tensor,  # [n, N + 1, W] child node per row and rank, -1 padded (engine.tree)
-    draft_ids: torch.Tensor,  # [n, N] long, PLACEHOLDER past num_nodes
-    target_argmax: torch.Tensor,  # [n, N + 1]
+    target_argmax: torch.Tensor,  # [R]
+    meta: VerifyMetadata,  # meta.children [R, W] must be set
     greedy: torch.Tensor,  # [n] bool
-    target_probs: torch.Tensor | None = None,  # [n, N + 1, V]; None: every request is greedy
-    draft_probs: torch.Tensor | None = None,  # [n, N, V] q_i per node; None: one-hot (deterministic)
-    uniforms: torch.Tensor | None = None,  # [n, N] U[0, 1), one per node
+    target_probs: torch.Tensor | None = None,  # [R, V]; None: every request is greedy
+    uniforms: torch.Tensor | None = None,  # [D] U[0, 1), one per node
     noise: torch.Tensor | None = None,  # [n, V] Exp(1) for the recovered / bonus token
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(output_ids [n, D + 1], num_accepted [n], accepted_nodes [n, D])``."""
-    n, width = children.shape[0], children.shape[2]
-    b = torch.arange(n, device=children.device)
-    cur = torch.zeros(n, dtype=torch.long, device=children.device)  # current row
-    done = torch.zeros(n, dtype=torch.bool, device=children.device)
-    nodes: list[torch.Tensor] = []
-    r = target_probs[:, 0] if target_probs is not None else None  # [n, V]
+    """Returns ``(output_ids [n, L + 1], num_accepted [n], accepted_nodes [n, L])``."""
+    children, ids, q_all = meta.children, meta.draft_token_ids, meta.draft_probs
+    width = children.shape[1]
+    n = meta.num_requests
+    draft_rows = meta.draft_rows()  # [D]: row r + 1 + d of draft d of request r
+    cur = meta.first_rows.clone()  # [n] current row
+    done = torch.zeros(n, dtype=torch.bool, device=cur.device)
+    path: list[torch.Tensor] = []  # accepted draft (flat index) per depth, -1 where none
+    r = target_probs[cur] if target_probs is not None else None  # [n, V]
     while not done.all():
         moved = torch.zeros_like(done)
         for j in range(width):
-            child = children[b, cur, j]  # [n]
+            child = children[cur, j]  # [n] flat draft index
             trying = ~done & ~moved & (child >= 0)
             if not trying.any():
                 break
             c = child.clamp(min=0)
-            x = draft_ids[b, c].clamp(min=0)  # [n]
-            accept = x == target_argmax[b, cur]
+            x = ids[c]  # [n]
+            accept = x == target_argmax[cur]
             if target_probs is not None:
-                q = _node_q(draft_probs, c, x, r)  # [n, V]
-                random = uniforms[b, c] * q[b, x] < r[b, x]  # u < R/q without dividing by a zero q
+                q = _node_q(q_all, c, x, r)  # [n, V]
+                b = torch.arange(n, device=cur.device)
+                random = uniforms[c] * q[b, x] < r[b, x]  # u < R/q without dividing by a zero q
                 accept = torch.where(greedy, accept, random)
                 rejected = (trying & ~accept).unsqueeze(1)
                 r = torch.where(rejected, next_target(r, q), r)
             accept &= trying
-            cur = torch.where(accept, c + 1, cur)
+            cur = torch.where(accept, draft_rows[c], cur)
             moved |= accept
-        nodes.append(torch.where(moved, cur - 1, PLACEHOLDER))
+        path.append(torch.where(moved, cur - meta.request_index.new_tensor(range(n)) - 1, PLACEHOLDER))
         if r is not None:
-            r = torch.where(moved.unsqueeze(1), target_probs[b, cur], r)
+            r = torch.where(moved.unsqueeze(1), target_probs[cur], r)
         done |= ~moved
-    accepted_nodes = torch.stack(nodes[:-1], dim=1) if len(nodes) > 1 else cur.new_zeros(n, 0)
-    num_accepted = (accepted_nodes >= 0).sum(dim=1)
-    extra = target_argmax[b, cur]
+    accepted = torch.stack(path[:-1], dim=1) if len(path) > 1 else cur.new_zeros(n, 0)  # [n, L] flat
+    num_accepted = (accepted >= 0).sum(dim=1)
+    extra = target_argmax[cur]
     if target_probs is not None:
-        leaf = (children[b, cur, 0] < 0).unsqueeze(1)  # no child: bonus, drawn as the chain rule does
-        dist = torch.where(leaf, residual_distribution(r, torch.zeros_like(r)), extra_distribution(r, target_probs[b, cur]))
+        leaf = (children[cur, 0] < 0).unsqueeze(1)  # no child: bonus, drawn as the chain rule does
+        dist = torch.where(leaf, residual_distribution(r, torch.zeros_like(r)), extra_distribution(r, target_probs[cur]))
         extra = torch.where(greedy, extra, (dist / noise).argmax(dim=1))  # exponential race
-    return _assemble(draft_ids, accepted_nodes, num_accepted, extra), num_accepted, accepted_nodes
+    start = (meta.cu_num_draft_tokens - meta.num_draft_tokens).unsqueeze(1)  # [n, 1]
+    nodes = torch.where(accepted >= 0, accepted - start, PLACEHOLDER)  # within each request
+    return _assemble(ids, accepted, num_accepted, extra), num_accepted, nodes
 
 
 def _node_q(draft_probs: torch.Tensor | None, c: torch.Tensor, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """q of each request's tried child: its own row, or one-hot at its token. [n, V]."""
     if draft_probs is not None:
-        return draft_probs[torch.arange(len(c), device=c.device), c]
+        return draft_probs[c]
     q = torch.zeros_like(like)
     q.scatter_(1, x.unsqueeze(1), 1.0)
     return q
 
 
-def _assemble(draft_ids, accepted_nodes, num_accepted, extra) -> torch.Tensor:
-    """[n, D + 1]: the accepted path's tokens, the extra token, PLACEHOLDER padding."""
-    n, depth = accepted_nodes.shape
-    out = torch.full((n, depth + 1), PLACEHOLDER, dtype=torch.long, device=draft_ids.device)
+def _assemble(ids, accepted, num_accepted, extra) -> torch.Tensor:
+    """[n, L + 1]: the accepted path's tokens, the extra token, PLACEHOLDER padding."""
+    n, depth = accepted.shape
+    out = torch.full((n, depth + 1), PLACEHOLDER, dtype=torch.long, device=ids.device)
     if depth:
-        tokens = draft_ids.gather(1, accepted_nodes.clamp(min=0))
-        out[:, :depth] = torch.where(accepted_nodes >= 0, tokens, PLACEHOLDER)
+        out[:, :depth] = torch.where(accepted >= 0, ids[accepted.clamp(min=0)], PLACEHOLDER)
     out.scatter_(1, num_accepted.unsqueeze(1), extra.unsqueeze(1))
     return out

@@ -96,3 +96,29 @@ def test_training_step_zero_computes_what_drafting_computes():
         out = head(batch[:, 1:].reshape(-1), head.fuse(feats[:, :-1].reshape(2 * n, -1)), torch.arange(n).repeat(2), meta, kv)
         logp = torch.log_softmax(head.draft_logits(out)[:, head.draft_to_target], -1).view(2, n, -1)
     torch.testing.assert_close(-(probs[:, 1:] * logp).sum(-1).mean(), loss.detach(), rtol=1e-4, atol=1e-4)
+
+
+def test_distillation_prompts_are_distinct_and_the_corpus_cuts_the_chats_in_order():
+    from drafters.eagle_train import corpus, distillation_prompts
+
+    prompts = distillation_prompts()
+    assert len(prompts) == len(set(prompts)) > 400
+    chats = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    assert corpus(chats, 4) == [[1, 2, 3, 4], [5, 6, 7, 8]]  # the last, short piece is dropped
+
+
+def test_label_cache_gives_the_targets_labels_and_keeps_them():
+    from drafters.eagle_train import LabelCache
+
+    target = small_target()
+    head = new_head(target, torch.arange(0, 16, 2))
+    batch, feats, probs = batch_and_labels(target, head)
+    cfg = target.config
+    kv = PagedKV(KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), 16, torch.float32), 4, "cpu")
+    cache = LabelCache(target, batch.tolist(), head.feature_layers, head.draft_to_target, kv, 16, top=8)
+    got_feats, got_p = cache.batch([1, 0])
+    torch.testing.assert_close(got_feats, feats[[1, 0]], atol=2e-2, rtol=1e-2)  # kept in bfloat16
+    torch.testing.assert_close(got_p, probs[[1, 0]], atol=1e-3, rtol=1e-3)  # 8 tokens: the whole draft vocabulary
+    assert sorted(cache.kept) == [0, 1]
+    cache.target = None  # a second draw must not run the target again
+    torch.testing.assert_close(cache.batch([0])[1], got_p[1:])

@@ -13,7 +13,7 @@ sampled from, are both caught."""
 import numpy as np
 import torch
 
-import engine.runner
+import engine.spec_decode.metadata
 from engine.spec_decode.drafter import Drafter
 from drafters.draft_model import ModelDrafter, SamplingDrafter
 from drafters.ngram import NgramDrafter
@@ -92,19 +92,19 @@ def test_drafts_with_and_without_probs_verify_exactly_in_one_batch():
     assert min(mixed_drafter_run()) > 1e-3
 
 
-def _deterministic_as_q_zero(drafts, draft_ids, vocab_size):
+def _deterministic_as_q_zero(flat_ids, probs, k, vocab_size, device):
     """The old layout: a draft without probs got q = 0, so it was accepted whenever p(x) > 0."""
-    if not any(d is not None and d.probs is not None for d in drafts):
+    if not any(p is not None for p in probs):
         return None
-    q = torch.zeros(*draft_ids.shape, vocab_size)
-    for i, d in enumerate(drafts):
-        if d is not None and d.probs is not None:
-            q[i, : len(d.token_ids)] = d.probs
+    q = torch.zeros(len(flat_ids), vocab_size)
+    for p, s, n in zip(probs, np.cumsum(k) - k, k):
+        if p is not None:
+            q[s : s + n] = p
     return q
 
 
 def test_the_mixed_drafter_test_catches_q_zero_for_deterministic_drafts(monkeypatch):
-    monkeypatch.setattr(engine.runner, "stack_draft_probs", _deterministic_as_q_zero)
+    monkeypatch.setattr(engine.spec_decode.metadata, "_stack_probs", _deterministic_as_q_zero)
     prompt_lookup, draft_model = mixed_drafter_run()
     assert prompt_lookup < 1e-3  # the deterministic drafts are the ones verified wrongly
     assert draft_model > 1e-3

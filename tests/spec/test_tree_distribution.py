@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine import tree, tree_sampler
+from engine.spec_decode.metadata import build_verify_metadata
 from engine.tree_sampler import tree_verify
 from tests.spec.bigram import bigram_table, perturbed
 from tests.spec.distribution import p_value, processed
@@ -81,15 +82,15 @@ def run_rounds(p_table: np.ndarray, draft, seed: int = 0) -> np.ndarray:
     g = torch.Generator().manual_seed(seed)
     outputs = np.zeros((NUM_SAMPLES, 0), dtype=np.int64)
     last = np.full(NUM_SAMPLES, FIRST)
-    children = torch.tensor(tree.children_table(PARENTS, 3)).expand(NUM_SAMPLES, -1, -1)
     for _ in range(OUTPUT_LEN):
         tokens, q = draft(last, rng)
         rows = np.concatenate([last[:, None], tokens], axis=1)  # the token before each row
-        probs = torch.tensor(p_table[rows], dtype=torch.float32)  # [n, nodes + 1, V]
+        probs = torch.tensor(p_table[rows], dtype=torch.float32).flatten(0, 1)  # [n * (nodes + 1), V]
+        qs = [None] * NUM_SAMPLES if q is None else list(torch.tensor(q, dtype=torch.float32))
+        meta = build_verify_metadata(tokens.tolist(), [PARENTS] * NUM_SAMPLES, qs, V)
         out, acc, _ = tree_verify(
-            children, torch.tensor(tokens), probs.argmax(-1), torch.zeros(NUM_SAMPLES, dtype=torch.bool), probs,
-            None if q is None else torch.tensor(q, dtype=torch.float32),
-            torch.rand(NUM_SAMPLES, len(PARENTS), generator=g), torch.empty(NUM_SAMPLES, V).exponential_(generator=g),
+            probs.argmax(-1), meta, torch.zeros(NUM_SAMPLES, dtype=torch.bool), probs,
+            torch.rand(NUM_SAMPLES * len(PARENTS), generator=g), torch.empty(NUM_SAMPLES, V).exponential_(generator=g),
         )
         outputs = np.concatenate([outputs, out.numpy()], axis=1)
         last = out.gather(1, acc.unsqueeze(1)).squeeze(1).numpy()

@@ -141,9 +141,9 @@ def sampled_run(drafter, settings: dict, monkeypatch) -> np.ndarray:
     ranks = []
     real = engine.runner.tree_verify
 
-    def recorded(children, draft_ids, *args):
-        out, acc, nodes = real(children, draft_ids, *args)
-        ranks.append(later_siblings_accepted(children, nodes))
+    def recorded(argmax, meta, *args):
+        out, acc, nodes = real(argmax, meta, *args)
+        ranks.append(later_siblings_accepted(meta, nodes))
         return out, acc, nodes
 
     monkeypatch.setattr(engine.runner, "tree_verify", recorded)
@@ -156,11 +156,13 @@ def sampled_run(drafter, settings: dict, monkeypatch) -> np.ndarray:
     return joint_counts([r.output_token_ids for r in reqs])
 
 
-def later_siblings_accepted(children: torch.Tensor, nodes: torch.Tensor) -> int:
-    """Accepted nodes that were not their parent's first child. children [n, N + 1, W],
-    nodes [n, D] (accepted node per depth, -1 past the path)."""
-    parent_rows = torch.cat([nodes.new_zeros(len(nodes), 1), nodes[:, :-1] + 1], dim=1)  # [n, D]
-    first_child = children[:, :, 0].gather(1, parent_rows.clamp(min=0))  # [n, D]
+def later_siblings_accepted(meta, nodes: torch.Tensor) -> int:
+    """Accepted nodes that were not their parent's first child. nodes [n, D] (accepted node
+    per depth within its request, -1 past the path); rows and children flat (``meta``)."""
+    first = meta.first_rows.unsqueeze(1)  # [n, 1]
+    parent_rows = first + torch.cat([nodes.new_zeros(len(nodes), 1), nodes[:, :-1] + 1], dim=1)  # [n, D]
+    draft_start = (meta.cu_num_draft_tokens - meta.num_draft_tokens).unsqueeze(1)
+    first_child = meta.children[:, 0][parent_rows.clamp(min=0)] - draft_start  # [n, D] within the request
     return int(((nodes >= 0) & (first_child != nodes)).sum())
 
 

@@ -7,6 +7,7 @@ import torch
 
 from engine import tree
 from engine.rejection_sampler import PLACEHOLDER, rejection_sample
+from engine.spec_decode.metadata import build_verify_metadata
 from engine.tree_sampler import tree_verify
 
 # The reference's example:      root
@@ -43,10 +44,9 @@ def test_static_tree_literal_as_vllm_writes_it():
 
 
 def greedy_walk(argmax_rows: list[int], tokens: list[int]):
-    children = torch.tensor(tree.children_table(PARENTS, 2)).unsqueeze(0)
-    out, acc, nodes = tree_verify(
-        children, torch.tensor([tokens]), torch.tensor([argmax_rows]), torch.tensor([True])
-    )
+    meta = build_verify_metadata([tokens], [PARENTS], [None], 10)
+    assert meta.children.tolist() == tree.children_table(PARENTS, 2).tolist()  # one request: its own table
+    out, acc, nodes = tree_verify(torch.tensor(argmax_rows), meta, torch.tensor([True]))
     return out[0].tolist(), int(acc[0]), nodes[0].tolist()
 
 
@@ -68,13 +68,12 @@ def test_greedy_walk_follows_the_matching_child_then_takes_the_target_token():
 def test_deterministic_siblings_second_child_accepted_against_the_updated_residual():
     # p at the root = (0.5, 0.3, 0.2); children 0 then 1 (one-hot q). Child 0 is rejected when
     # u >= 0.5; then R = (0, 0.6, 0.4), so child 1 is accepted when u < 0.6 -- not 0.3.
-    p = torch.tensor([[[0.5, 0.3, 0.2], [1.0, 0, 0], [0, 0, 1.0]]])
-    children = torch.tensor([[[0, 1], [-1, -1], [-1, -1]]])
-    ids = torch.tensor([[0, 1]])
+    p = torch.tensor([[0.5, 0.3, 0.2], [1.0, 0, 0], [0, 0, 1.0]])
+    meta = build_verify_metadata([[0, 1]], [(-1, -1)], [None], 3)
 
     def run(u0, u1, noise=(1.0, 1.0, 1.0)):
-        out, acc, _ = tree_verify(children, ids, p.argmax(-1), torch.tensor([False]), p, None,
-                                  torch.tensor([[u0, u1]]), torch.tensor([noise]))
+        out, acc, _ = tree_verify(p.argmax(-1), meta, torch.tensor([False]), p, torch.tensor([u0, u1]),
+                                  torch.tensor([noise]))
         return out[0].tolist(), int(acc[0])
 
     assert run(0.4, 0.99) == ([0, 0], 1)  # child 0 accepted, bonus from its row (all on token 0)
@@ -86,21 +85,21 @@ def test_deterministic_siblings_second_child_accepted_against_the_updated_residu
 def test_a_chain_gives_exactly_the_chain_samplers_output(seed):
     g = torch.Generator().manual_seed(seed)
     n, k, v = 64, 4, 7
-    probs = torch.rand(n, k + 1, v, generator=g) ** 3
+    num = torch.randint(0, k + 1, (n,), generator=g).tolist()
+    probs = torch.rand(sum(num) + n, v, generator=g) ** 3
     probs /= probs.sum(-1, keepdim=True)
-    q = torch.rand(n, k, v, generator=g) ** 3
-    q /= q.sum(-1, keepdim=True)
-    num = torch.randint(0, k + 1, (n,), generator=g)
-    ids = torch.multinomial(q.view(-1, v), 1, generator=g).view(n, k)
-    ids[torch.arange(k)[None, :] >= num[:, None]] = PLACEHOLDER
+    q = [torch.rand(m, v, generator=g) ** 3 for m in num]
+    q = [x / x.sum(-1, keepdim=True) for x in q]
+    ids = [torch.multinomial(x, 1, generator=g).view(-1).tolist() if len(x) else [] for x in q]
     greedy = torch.rand(n, generator=g) < 0.3
-    uniforms = torch.rand(n, k, generator=g)
+    uniforms = torch.rand(sum(num), generator=g)
     noise = torch.empty(n, v).exponential_(generator=g)
     argmax = probs.argmax(-1)
-    children = torch.tensor(tree.batch_children([tree.chain(m) for m in num.tolist()], k))
-    for q_used in (q, None):
-        want, want_acc = rejection_sample(probs, argmax, ids, q_used, num, greedy, uniforms, noise)
-        got, got_acc, _ = tree_verify(children, ids, argmax, greedy, probs, q_used, uniforms, noise)
+    for q_used in (q, [None] * n):
+        chains = build_verify_metadata(ids, [None] * n, q_used, v)
+        as_trees = build_verify_metadata(ids, [tree.chain(m) for m in num], q_used, v, with_children=True)
+        want, want_acc = rejection_sample(probs, argmax, chains, greedy, uniforms, noise)
+        got, got_acc, _ = tree_verify(argmax, as_trees, greedy, probs, uniforms, noise)
         assert torch.equal(got_acc, want_acc)
         assert torch.equal(got, want[:, : got.shape[1]])
         assert (want[:, got.shape[1]:] == PLACEHOLDER).all()

@@ -5,20 +5,23 @@ import numpy as np
 import torch
 
 from engine.rejection_sampler import PLACEHOLDER, greedy_verify, rejection_sample, residual_distribution
+from engine.spec_decode.metadata import build_verify_metadata
 
 P = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
 Q = torch.tensor([0.2, 0.6, 0.2], dtype=torch.float64)
 
 
+def chains(drafts, probs=None, vocab=3):
+    """Flat metadata of one chain of drafts per request; ``probs`` per request or None."""
+    return build_verify_metadata(drafts, [None] * len(drafts), probs or [None] * len(drafts), vocab)
+
+
 def verify_one(p_rows, q_rows, drafts, u, greedy=False, noise=None):
-    k = len(drafts)
-    p = torch.stack(p_rows).unsqueeze(0).float()  # [1, k + 1, V]
-    q = torch.stack(q_rows).unsqueeze(0).float() if q_rows is not None else None
-    ids = torch.tensor([drafts])
-    noise = torch.ones(1, p.shape[2]) if noise is None else noise
-    out, acc = rejection_sample(
-        p, p.argmax(-1), ids, q, torch.tensor([k]), torch.tensor([greedy]), torch.tensor([u]).float(), noise
-    )
+    p = torch.stack(p_rows).float()  # [k + 1, V]
+    q = torch.stack(q_rows).float() if q_rows is not None else None
+    meta = chains([drafts], [q], vocab=p.shape[1])
+    noise = torch.ones(1, p.shape[1]) if noise is None else noise
+    out, acc = rejection_sample(p, p.argmax(-1), meta, torch.tensor([greedy]), torch.tensor(u).float(), noise)
     return out[0].tolist(), int(acc[0])
 
 
@@ -75,59 +78,54 @@ def test_greedy_keeps_the_longest_matching_prefix_then_the_target_token():
 
 
 def test_batch_rows_are_independent_and_padded():
-    p = torch.stack([torch.stack([P, P, P]), torch.stack([P, P, P])]).float()
-    ids = torch.tensor([[1, 1], [0, PLACEHOLDER]])
-    out, acc = rejection_sample(
-        p, p.argmax(-1), ids, None, torch.tensor([2, 1]), torch.tensor([False, False]),
-        torch.tensor([[0.1, 0.1], [0.1, 0.1]]), torch.ones(2, 3),
-    )
+    p = torch.stack([P] * 5).float()  # 3 rows for the first request, 2 for the second: nothing padded
+    meta = chains([[1, 1], [0]])
+    assert meta.cu_num_draft_tokens.tolist() == [2, 3] and meta.target_logits_indices.tolist() == [0, 1, 3]
+    out, acc = rejection_sample(p, p.argmax(-1), meta, torch.tensor([False, False]), torch.full((3,), 0.1),
+                                torch.ones(2, 3))
     assert acc.tolist() == [2, 1]
     assert out[1, 2].item() == PLACEHOLDER
+
+
+def test_flat_layout_of_the_metadata_docstring():
+    meta = build_verify_metadata([[5, 6], [], [7, 8, 9]], [None, None, (-1, -1, 0)], [None] * 3, 10)
+    assert meta.cu_num_draft_tokens.tolist() == [2, 2, 5] and meta.first_rows.tolist() == [0, 3, 4]
+    assert meta.target_logits_indices.tolist() == [0, 1, 4, 4, 5]
+    assert meta.bonus_logits_indices.tolist() == [2, 3, 7] and meta.draft_rows().tolist() == [1, 2, 5, 6, 7]
+    assert meta.children[4].tolist() == [2, 3] and meta.children[5].tolist() == [4, -1]
+    assert meta.request_index.tolist() == [0, 0, 2, 2, 2] and meta.max_num_draft_tokens == 3
 
 
 def test_greedy_fast_path_matches_the_general_rule():
     gen = torch.Generator().manual_seed(0)
     n, k, vocab = 64, 5, 4  # a small vocabulary so that many drafts match
-    probs = torch.rand(n, k + 1, vocab, generator=gen).softmax(-1)
+    num_drafts = torch.randint(0, k + 1, (n,), generator=gen).tolist()
+    meta = chains([torch.randint(0, vocab, (m,), generator=gen).tolist() for m in num_drafts], vocab=vocab)
+    probs = torch.rand(sum(num_drafts) + n, vocab, generator=gen).softmax(-1)
     argmax = probs.argmax(-1)
-    num_drafts = torch.randint(0, k + 1, (n,), generator=gen)
-    ids = torch.randint(0, vocab, (n, k), generator=gen)
-    ids = torch.where(torch.arange(k) < num_drafts.unsqueeze(1), ids, PLACEHOLDER)
-    expected = rejection_sample(
-        probs, argmax, ids, None, num_drafts, torch.ones(n, dtype=torch.bool), torch.rand(n, k), torch.ones(n, vocab)
-    )
-    out, acc = greedy_verify(argmax, ids)
+    expected = rejection_sample(probs, argmax, meta, torch.ones(n, dtype=torch.bool), torch.rand(sum(num_drafts)),
+                                torch.ones(n, vocab))
+    out, acc = greedy_verify(argmax, meta)
     assert torch.equal(out, expected[0]) and torch.equal(acc, expected[1])
     assert 0 < acc.float().mean() < k  # the case mix covers rejections and full acceptance
 
 
 def test_a_batch_mixing_drafts_with_and_without_probs_gives_each_its_own_q():
-    from engine.spec_decode.drafter import Draft
-    from engine.runner import stack_draft_probs
-
     q_model = torch.tensor([[0.2, 0.6, 0.2], [0.1, 0.1, 0.8]])
-    drafts = [Draft([1, 2], q_model), Draft([0]), None]
-    ids = torch.tensor([[1, 2], [0, PLACEHOLDER], [PLACEHOLDER, PLACEHOLDER]])
-    q = stack_draft_probs(drafts, ids, 3)
-    assert torch.equal(q[0], q_model)
-    assert q[1].tolist() == [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]  # one-hot at the drafted token, then nothing
-    assert not q[2].any()
-    assert stack_draft_probs([Draft([0]), None], ids[1:], 3) is None  # all deterministic: the sampler's own one-hot
+    q = chains([[1, 2], [0], []], [q_model, None, None]).draft_probs  # [3 drafts, V]
+    assert torch.equal(q[:2], q_model)
+    assert q[2].tolist() == [1.0, 0.0, 0.0]  # one-hot at the drafted token
+    assert chains([[0], []]).draft_probs is None  # all deterministic: the sampler's own one-hot
 
 
 def test_a_deterministic_draft_is_verified_alike_beside_a_sampled_one():
     """The deterministic row of a mixed batch accepts and recovers exactly as in a batch of its own."""
-    from engine.spec_decode.drafter import Draft
-    from engine.runner import stack_draft_probs
-
-    p = torch.stack([torch.stack([P, P]), torch.stack([P, P])]).float()  # [2, 2, 3]
-    ids = torch.tensor([[1], [0]])
-    mixed = stack_draft_probs([Draft([1], Q.unsqueeze(0).float()), Draft([0])], ids, 3)
+    p = torch.stack([P] * 4).float()  # [4 rows, 3]
+    mixed = chains([[1], [0]], [Q.unsqueeze(0).float(), None])
     noise = torch.tensor([[1.0, 1.0, 1.0], [0.01, 1.0, 0.5]])
     accepted = 0
     for u in (np.arange(100) + 0.5) / 100:
-        args = (p.argmax(-1), ids, mixed, torch.tensor([1, 1]), torch.tensor([False, False]))
-        out, acc = rejection_sample(p, *args, torch.tensor([[u], [u]]).float(), noise)
+        out, acc = rejection_sample(p, p.argmax(-1), mixed, torch.tensor([False, False]), torch.tensor([u, u]).float(), noise)
         alone, alone_acc = verify_one([P, P], None, [0], [u], noise=noise[1:])
         assert (out[1].tolist(), int(acc[1])) == (alone, alone_acc)
         accepted += int(acc[1])

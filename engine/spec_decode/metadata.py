@@ -1,0 +1,111 @@
+"""A step's drafts for verification, flat (vLLM v1's ``SpecDecodeMetadata`` is the model).
+
+``n`` requests sample this step; request ``r`` drafted ``k_r >= 0`` tokens (a chain,
+or a tree over them: ``engine.tree``), ``D = sum k_r`` in all. The target pass gives
+``R = D + n`` rows of logits, request after request: ``k_r + 1`` rows each, the
+first after the last committed token, row ``i + 1`` after draft ``i``. Example::
+
+    request   r0 (k=2)    r1 (k=0)   r2 (k=3, tree (-1, -1, 0))
+    rows      0  1  2     3          4  5  6  7
+    drafts    0  1                   2  3  4
+    cu_num_draft_tokens = [2, 2, 5]        first_rows = [0, 3, 4]
+    target_logits_indices = [0, 1, 4, 4, 5]  (each draft's parent's row)
+    bonus_logits_indices  = [2, 3, 7]        (the row after a chain's last draft)
+
+Nothing is padded to the longest request: the verification rules work on these
+offsets (``engine.rejection_sampler``, ``engine.tree_sampler``).
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine import tree
+
+
+@dataclass(frozen=True)
+class VerifyMetadata:
+    num_draft_tokens: torch.Tensor  # [n] long: k_r
+    cu_num_draft_tokens: torch.Tensor  # [n] long, inclusive: request r's drafts are [cu[r] - k_r, cu[r])
+    draft_token_ids: torch.Tensor  # [D] long
+    request_index: torch.Tensor  # [D] long: the request of each draft
+    target_logits_indices: torch.Tensor  # [D] long: the row each draft is checked against (its parent's)
+    bonus_logits_indices: torch.Tensor  # [n] long: the row after each request's last draft
+    first_rows: torch.Tensor  # [n] long: each request's first row (after its last committed token)
+    draft_probs: torch.Tensor | None  # [D, V] q of each draft (one-hot for deterministic ones); None: all one-hot
+    children: torch.Tensor | None  # [R, W] long: draft index of each row's children, -1 padded; None: all chains
+    max_num_draft_tokens: int
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_draft_tokens.shape[0]
+
+    def draft_rows(self) -> torch.Tensor:
+        """[D] the row computed at each draft (its children are checked against it)."""
+        return torch.arange(len(self.draft_token_ids), device=self.draft_token_ids.device) + self.request_index + 1
+
+
+def build_verify_metadata(
+    token_ids: list[list[int]],
+    parents: list[tuple[int, ...] | None],
+    probs: list[torch.Tensor | None],
+    vocab_size: int,
+    device="cpu",
+    with_children: bool | None = None,
+) -> VerifyMetadata:
+    """From each request's drafts (possibly none), their trees (None: a chain) and q
+    (``[k_r, vocab]``, None: deterministic) -> the flat metadata on ``device``.
+    ``children`` is built when some draft is a tree that is not a chain (``with_children``
+    None), or as ``with_children`` says."""
+    k = np.array([len(t) for t in token_ids], dtype=np.int64)  # [n]
+    cu = np.cumsum(k)
+    first = cu - k + np.arange(len(k))  # each request's first row
+    local_parents = [np.asarray(p if p is not None else tree.chain(len(t)), dtype=np.int64) for t, p in zip(token_ids, parents)]
+    request_index = np.repeat(np.arange(len(k)), k)
+    target = np.concatenate([first[r] + p + 1 for r, p in enumerate(local_parents)]) if k.sum() else np.zeros(0, np.int64)
+    to = lambda a: torch.as_tensor(np.asarray(a, dtype=np.int64), device=device)  # noqa: E731
+    flat_ids = [t for ids in token_ids for t in ids]
+    trees = any(p is not None and not tree.is_chain(p) for p in parents) if with_children is None else with_children
+    return VerifyMetadata(
+        num_draft_tokens=to(k),
+        cu_num_draft_tokens=to(cu),
+        draft_token_ids=to(flat_ids),
+        request_index=to(request_index),
+        target_logits_indices=to(target),
+        bonus_logits_indices=to(first + k),
+        first_rows=to(first),
+        draft_probs=_stack_probs(flat_ids, probs, k, vocab_size, device),
+        children=to(_children(local_parents, first, cu - k)) if trees else None,
+        max_num_draft_tokens=int(k.max()) if len(k) else 0,
+    )
+
+
+def _stack_probs(flat_ids: list[int], probs, k: np.ndarray, vocab_size: int, device) -> torch.Tensor | None:
+    """q [D, V]: a draft's own ``probs`` where its request has them, one-hot at the drafted
+    token where it has none (a deterministic drafter). None when no request has probs:
+    the samplers then take every q as one-hot themselves."""
+    if not any(p is not None for p in probs):
+        return None
+    q = torch.zeros(len(flat_ids), vocab_size, device=device)
+    q[torch.arange(len(flat_ids)), torch.tensor(flat_ids, dtype=torch.long)] = 1.0
+    start = np.cumsum(k) - k
+    for p, s, n in zip(probs, start, k):
+        if p is not None:
+            q[s : s + n] = p
+    return q
+
+
+def _children(local_parents: list[np.ndarray], first: np.ndarray, draft_start: np.ndarray) -> np.ndarray:
+    """[R, W] the draft index of each row's children, in sibling order, -1 padded: each
+    request's ``tree.children_table`` at its rows, its node indices made flat."""
+    trees = [tuple(p.tolist()) for p in local_parents]
+    width = max([tree.max_children(p) for p in trees] + [1])
+    out = np.full((int(first[-1]) + len(trees[-1]) + 1, width), tree.NO_CHILD, dtype=np.int64)
+    tables: dict[tuple[int, ...], np.ndarray] = {}
+    for p, row, start in zip(trees, first, draft_start):
+        if p not in tables:
+            tables[p] = tree.children_table(p, width)
+        table = tables[p]
+        out[row : row + len(p) + 1] = np.where(table >= 0, table + start, tree.NO_CHILD)
+    return out
