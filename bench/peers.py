@@ -1,6 +1,6 @@
 """specserve side by side with the servers a user would run instead, through one client.
 
-    .venv/bin/python -m bench.peers [--servers specserve,specserve-ngram,vllm,vllm-ngram] [--peers-dir ~/peers]
+    .venv/bin/python -m bench.peers [--servers specserve,specserve-ngram,vllm,vllm-ngram] [--peers-dir ~/peers] [--rounds 2]
         [--baseline CHECKOUT]   # also specserve-baseline[-ngram]: an older commit, side by side
 
 Every server is started at once on loopback and measured the same way through
@@ -234,7 +234,6 @@ def main() -> None:
     ap.add_argument("--peers-dir", type=Path, default=Path(os.environ.get("PEERS", Path.home() / "peers")))
     ap.add_argument("--baseline", type=Path, default=None,
                     help="a checkout of an older specserve commit, served as specserve-baseline[-ngram]")
-    args = ap.parse_args()
     ap.add_argument("--rounds", type=int, default=2, help="passes over the prompts, every server in each")
     args = ap.parse_args()
     chat_ps, copy_ps, conc_ps = prompts(4, 4, 16)

@@ -1,6 +1,6 @@
 """``specserve train-eagle``: trains an EAGLE-3 head for a target on the CPU.
 
-Data: self-distillation. The target answers ~560 chat prompts written here (eight
+Data: self-distillation. The target answers 460 chat prompts written here (eight
 templates over fifty subjects of science, history, the arts and economics, and small
 coding tasks in three languages) greedily, ``answer_tokens`` each, with the engine,
 once (kept for resumed runs); the chats are cut into sequences of ``seq_len`` tokens.
