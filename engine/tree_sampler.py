@@ -77,6 +77,7 @@ def tree_verify(
     children, ids, q_all = meta.children, meta.draft_token_ids, meta.draft_probs
     width = children.shape[1]
     n = meta.num_requests
+    b = torch.arange(n, device=ids.device)
     draft_rows = meta.draft_rows()  # [D]: row r + 1 + d of draft d of request r
     cur = meta.first_rows.clone()  # [n] current row
     done = torch.zeros(n, dtype=torch.bool, device=cur.device)
@@ -94,7 +95,6 @@ def tree_verify(
             accept = x == target_argmax[cur]
             if target_probs is not None:
                 q = _node_q(q_all, c, x, r)  # [n, V]
-                b = torch.arange(n, device=cur.device)
                 random = uniforms[c] * q[b, x] < r[b, x]  # u < R/q without dividing by a zero q
                 accept = torch.where(greedy, accept, random)
                 rejected = (trying & ~accept).unsqueeze(1)
@@ -102,7 +102,7 @@ def tree_verify(
             accept &= trying
             cur = torch.where(accept, draft_rows[c], cur)
             moved |= accept
-        path.append(torch.where(moved, cur - meta.request_index.new_tensor(range(n)) - 1, PLACEHOLDER))
+        path.append(torch.where(moved, cur - b - 1, PLACEHOLDER))  # the draft at row cur: cur - r - 1
         if r is not None:
             r = torch.where(moved.unsqueeze(1), target_probs[cur], r)
         done |= ~moved
