@@ -72,7 +72,7 @@ def greedy_verify(target_argmax: torch.Tensor, meta: VerifyMetadata) -> tuple[to
 def _first_rejection(accept: torch.Tensor, meta: VerifyMetadata) -> torch.Tensor:
     """accept [D] -> [n] the index (within its request) of each request's first rejected
     draft, k_r when none is: the number of accepted drafts of a chain."""
-    start = meta.cu_num_draft_tokens - meta.num_draft_tokens  # [n]
+    start = meta.draft_starts  # [n]
     pos = torch.arange(len(accept), device=accept.device) - start[meta.request_index]  # [D]
     rejected = ~accept
     return meta.num_draft_tokens.clone().scatter_reduce(
@@ -83,7 +83,7 @@ def _first_rejection(accept: torch.Tensor, meta: VerifyMetadata) -> torch.Tensor
 def _assemble(meta: VerifyMetadata, num_accepted: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
     """[n, K + 1]: the accepted drafts, the extra token, PLACEHOLDER padding."""
     n, k_max = meta.num_requests, meta.max_num_draft_tokens
-    start = meta.cu_num_draft_tokens - meta.num_draft_tokens  # [n]
+    start = meta.draft_starts  # [n]
     pos = torch.arange(k_max + 1, device=extra.device).unsqueeze(0)  # [1, K + 1]
     src = (start.unsqueeze(1) + pos).clamp(max=max(len(meta.draft_token_ids) - 1, 0))  # [n, K + 1]
     drafts = meta.draft_token_ids[src] if len(meta.draft_token_ids) else torch.zeros_like(src)
@@ -105,7 +105,7 @@ def _draft_row(meta: VerifyMetadata, num_accepted: torch.Tensor, like: torch.Ten
     q = torch.zeros_like(like)
     if not rejected.any():
         return q
-    d = (meta.cu_num_draft_tokens - meta.num_draft_tokens + num_accepted)[rejected]  # flat index of each rejected draft
+    d = (meta.draft_starts + num_accepted)[rejected]  # flat index of each rejected draft
     if meta.draft_probs is None:
         q[rejected] = q[rejected].scatter_(1, meta.draft_token_ids[d].unsqueeze(1), 1.0)
     else:

@@ -113,7 +113,7 @@ def tree_verify(
         leaf = (children[cur, 0] < 0).unsqueeze(1)  # no child: bonus, drawn as the chain rule does
         dist = torch.where(leaf, residual_distribution(r, torch.zeros_like(r)), extra_distribution(r, target_probs[cur]))
         extra = torch.where(greedy, extra, (dist / noise).argmax(dim=1))  # exponential race
-    start = (meta.cu_num_draft_tokens - meta.num_draft_tokens).unsqueeze(1)  # [n, 1]
+    start = meta.draft_starts.unsqueeze(1)  # [n, 1]
     nodes = torch.where(accepted >= 0, accepted - start, PLACEHOLDER)  # within each request
     return _assemble(ids, accepted, num_accepted, extra), num_accepted, nodes
 

@@ -41,6 +41,11 @@ class VerifyMetadata:
     def num_requests(self) -> int:
         return self.num_draft_tokens.shape[0]
 
+    @property
+    def draft_starts(self) -> torch.Tensor:
+        """[n] the flat index of each request's first draft (``cu[r] - k_r``)."""
+        return self.cu_num_draft_tokens - self.num_draft_tokens
+
     def draft_rows(self) -> torch.Tensor:
         """[D] the row computed at each draft (its children are checked against it)."""
         return torch.arange(len(self.draft_token_ids), device=self.draft_token_ids.device) + self.request_index + 1
