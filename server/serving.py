@@ -278,6 +278,8 @@ class ServingEngine:
         return APIError(503, message, code=reason, headers=headers)
 
     def _on_delta(self, choice: _Choice, out: RequestOutput) -> None:
+        if choice.finished:  # closed already (an abort raced the engine's last delta): counted once
+            return
         if not choice.started:
             choice.started = True
             self.pending -= 1
