@@ -1,15 +1,17 @@
 """Speculation under load: plain decoding against each drafter, concurrency 1 to 64.
 
-    .venv/bin/python -m bench.load_sweep [--methods ngram] [--concurrency 1,2,4,8,16,32,64]
+    .venv/bin/python -m bench.load_sweep [--methods ngram] [--concurrency 1,2,4,8,16,32,64] [--rounds 3]
 
-For each server (plain, then one per speculation method) and each concurrency
-``c``, ``c`` streamed chat requests are sent at once (greedy, ``ignore_eos``,
-``--max-tokens`` each, MT-Bench-style prompts, the same ones for every server)
-and measured from the client: total output tokens/s, and per request the
-inter-token latency (gap between output events over the tokens they carried)
-and the time per output token. The target: with speculation on, throughput and
-p50 latency never worse than off beyond noise (0.97x) at any concurrency.
-Writes bench/results/load_sweep.md and load_sweep.png.
+Every server (plain, and one per speculation method) is up at once. For each
+concurrency ``c``, ``c`` streamed chat requests are sent at once (greedy,
+``ignore_eos``, ``--max-tokens`` each, MT-Bench-style prompts, the same ones
+for every server) to each server in turn, ``--rounds`` times, so that the
+machine's drifting speed hits every server alike; measured from the client:
+total output tokens/s (median over rounds), and per request the inter-token
+latency (gap between output events over the tokens they carried, p50 over
+every round) and the time per output token. The target: with speculation on,
+throughput and p50 latency never worse than off beyond noise (0.97x) at any
+concurrency. Writes bench/results/load_sweep.md and load_sweep.png.
 """
 
 import argparse
@@ -18,6 +20,7 @@ import json
 import statistics
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -55,26 +58,37 @@ async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int)
 
 
 async def wave(url: str, prompts: list[str], max_tokens: int) -> dict:
+    """``len(prompts)`` requests at once: total tokens/s, every per-token gap, each request's TPOT."""
     async with httpx.AsyncClient(timeout=1800, limits=httpx.Limits(max_connections=len(prompts) + 4)) as client:
         t = time.perf_counter()
         results = await asyncio.gather(*(one(client, url, p, max_tokens) for p in prompts))
         wall = time.perf_counter() - t
-    itl = [g for r in results for g in r["itl"]]
+    return {"tok_s": sum(r["tokens"] for r in results) / wall,
+            "itl": [g for r in results for g in r["itl"]], "tpot": [r["tpot"] for r in results]}
+
+
+def summarize(waves: list[dict]) -> dict:
+    """The rounds of one server at one concurrency: median throughput, p50 over all gaps."""
+    itl = [g for w in waves for g in w["itl"]]
     return {
-        "tok_s": sum(r["tokens"] for r in results) / wall,
+        "tok_s": statistics.median(w["tok_s"] for w in waves),
         "itl_p50_ms": 1000 * statistics.median(itl) if itl else 0.0,
-        "tpot_p50_ms": 1000 * statistics.median(r["tpot"] for r in results),
+        "tpot_p50_ms": 1000 * statistics.median(t for w in waves for t in w["tpot"]),
     }
 
 
-def run_server(name: str, extra: list[str], levels: list[int], prompts: list[str], max_tokens: int) -> dict:
-    out = {}
-    log = str(Path(tempfile.gettempdir()) / f"specserve-sweep-{name}.log")
-    with serve(["--max-model-len", "2048", *extra], log) as url:
+def sweep(urls: dict[str, str], levels: list[int], prompts: list[str], max_tokens: int, rounds: int) -> dict:
+    """Each concurrency, each round: one wave to each server in turn."""
+    for url in urls.values():
         asyncio.run(wave(url, prompts[:2], 8))  # warm-up
-        for c in levels:
-            out[c] = asyncio.run(wave(url, prompts[:c], max_tokens))
-            r = out[c]
+    out = {name: {} for name in urls}
+    for c in levels:
+        waves = {name: [] for name in urls}
+        for _ in range(rounds):
+            for name, url in urls.items():
+                waves[name].append(asyncio.run(wave(url, prompts[:c], max_tokens)))
+        for name in urls:
+            r = out[name][c] = summarize(waves[name])
             print(f"[{name}] c={c}: {r['tok_s']:.1f} tok/s, ITL p50 {r['itl_p50_ms']:.0f} ms, "
                   f"TPOT p50 {r['tpot_p50_ms']:.0f} ms", flush=True)
     return out
@@ -100,7 +114,7 @@ def report(results: dict, levels: list[int], command: str, max_tokens: int) -> N
         verdict = "PASS" if worst[m] >= FLOOR else "FAIL"
         body += f"\n\n{m}: worst ratio to plain (throughput or p50 ITL) {worst[m]:.2f} -> **{verdict}** (floor {FLOOR})"
     body += (f"\n\nEach concurrency c: c streamed chat requests at once, greedy, {max_tokens} tokens with "
-             "ignore_eos. ITL: the gap between output events divided by the tokens they carried, p50 over "
+             "ignore_eos, to every server in turn (all up at once), in rounds; throughput is the median over rounds. ITL: the gap between output events divided by the tokens they carried, p50 over "
              "all gaps of the wave. Ratios above 1 mean speculation on is better.\n\n![sweep](load_sweep.png)")
     write_report("load_sweep", "Speculation under load: concurrency sweep against plain decoding", body, command)
     plot(results, levels)
@@ -130,17 +144,24 @@ def main() -> None:
     ap.add_argument("--methods", default="ngram", help=f"comma-separated, of {', '.join(METHODS)}")
     ap.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3, help="waves per server and concurrency, interleaved")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     prompts = round_robin_chat(max(levels))
     methods = [m for m in args.methods.split(",") if m]
-    results = {"plain": run_server("plain", [], levels, prompts, args.max_tokens)}
-    for m in methods:
-        extra = ["--speculative-config", json.dumps(METHODS[m])]
-        results[m] = run_server(m, extra, levels, prompts, args.max_tokens)
-    command = f"python -m bench.load_sweep --methods {args.methods} --concurrency {args.concurrency}"
+    configs = {"plain": [], **{m: ["--speculative-config", json.dumps(METHODS[m])] for m in methods}}
+    with ExitStack() as stack:
+        urls = {name: stack.enter_context(serve(["--max-model-len", "2048", *extra], _log(name)))
+                for name, extra in configs.items()}
+        results = sweep(urls, levels, prompts, args.max_tokens, args.rounds)
+    command = (f"python -m bench.load_sweep --methods {args.methods} --concurrency {args.concurrency} "
+               f"--rounds {args.rounds}")
     report(results, levels, command + (f" --max-tokens {args.max_tokens}" if args.max_tokens != 128 else ""),
            args.max_tokens)
+
+
+def _log(name: str) -> str:
+    return str(Path(tempfile.gettempdir()) / f"specserve-sweep-{name}.log")
 
 
 if __name__ == "__main__":

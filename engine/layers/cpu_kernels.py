@@ -1,13 +1,20 @@
-"""CPU kernels for the few rows of a decode step, float32, x86-64 with AVX2 + FMA.
+"""CPU kernels for the few rows of a decode step, float32, x86-64 with AVX2 + FMA
+(and AVX-512 where the CPU has it).
 
 A decode step multiplies one row per request (plus its drafts) by every weight
 matrix: the time is the stream over the weights. oneDNN's skinny GEMM reads
-them at 14-22 GB/s on the bench machine, where a plain sum over the same bytes
+them at 14-22 GB/s on an AVX2 bench machine, where a plain sum over the same bytes
 runs at 30-36 GB/s; ``gemv`` streams each weight row once, with prefetching,
 and reuses it from L1 for every input row (up to 8 rows; past that, 3 x 4 tiles
-of input rows and weight rows, where arithmetic starts to count).
+of input rows and weight rows, where arithmetic starts to count). Built with
+AVX-512 (``compile_flags``), it multiplies tiles of up to 3 x 8 or 4 x 6 (input rows x
+weight rows) with one summation order for every row count, so a row's result is
+the same bits at any batch size; on a 2-core Zen 5 it streams 1 row at ~60 GB/s
+and beats oneDNN up to about 8 rows (`python -m bench.kernels`).
 ``paged_attention``, ``rope`` and ``silu_mul`` take the rest of a decode step's
-small ops: attention straight from the paged cache with no gather or padding. ``engine.layers.linear.calibrate_gemv``
+small ops: attention straight from the paged cache with no gather or padding
+(with AVX-512 and head sizes 64 or 128, queries and accumulators held in
+registers). ``engine.layers.linear.calibrate_gemv``
 times it against oneDNN on the model's own weights at start-up and uses it only
 for the row counts where it is faster.
 
@@ -15,11 +22,11 @@ for the row counts where it is faster.
 here (a chain of small kernels, each handing off to the thread pool): 61 calls
 a step made it ~4 ms of a ~45 ms decode step.
 
-The C source (``csrc/cpu_kernels.c``) is compiled once per machine with the system's C compiler into
-``$XDG_CACHE_HOME/specserve/kernels`` (``~/.cache`` by default) and loaded with
-ctypes, which releases the GIL during the call. Without a compiler, AVX2 or
+The C source (``csrc/cpu_kernels.c``) is compiled once per machine and flag set with the
+system's C compiler into ``$XDG_CACHE_HOME/specserve/kernels`` (``~/.cache`` by default) and
+loaded with ctypes, which releases the GIL during the call. Without a compiler, AVX2 or
 FMA, or with ``SPECSERVE_CPU_KERNELS=0``, ``load()`` returns None and the
-torch ops do everything.
+torch ops do everything; ``SPECSERVE_CPU_AVX512=0`` keeps the AVX2 build on an AVX-512 CPU.
 """
 
 import ctypes
@@ -39,16 +46,28 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+AVX512 = ("-mavx512f",)  # added where the CPU has it, unless SPECSERVE_CPU_AVX512=0
+
+
+def _cpu_flags() -> str:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
 
 
 def _cpu_supports() -> bool:
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = _cpu_flags()
     return " avx2" in flags and " fma" in flags
+
+
+def compile_flags() -> tuple[str, ...]:
+    """The compiler flags for this CPU: AVX2 + FMA, and AVX-512 where there is one."""
+    if " avx512f" in _cpu_flags() and os.environ.get("SPECSERVE_CPU_AVX512", "1") != "0":
+        return FLAGS + AVX512
+    return FLAGS
 
 
 def _cache_dir() -> Path:
@@ -56,17 +75,17 @@ def _cache_dir() -> Path:
     return Path(root) / "specserve" / "kernels"
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, flags: tuple[str, ...]) -> Path:
     """Compile ``SOURCE`` unless a library of the same source and flags exists; returns its path."""
     text = SOURCE.read_bytes()
-    key = hashlib.sha256(text + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # concurrent builders: atomic rename
         lib = Path(tmp) / out.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(lib)], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(lib)], check=True, capture_output=True, timeout=120)
         lib.replace(out)
     return out
 
@@ -81,10 +100,15 @@ def load():
         log.info("no C compiler: the CPU kernels are off, torch ops do everything")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        return build(compiler, compile_flags())
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("could not build the CPU kernels (%s): torch ops do everything", e)
         return None
+
+
+def build(compiler: str, flags: tuple[str, ...]):
+    """The library compiled with ``flags`` (cached on disk), its functions typed."""
+    lib = ctypes.CDLL(str(_build(compiler, flags)))
     lib.gemv_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.paged_attention_f32.argtypes = (

@@ -180,9 +180,13 @@ def test_flash_attn_is_auto_on_cuda_when_installed(monkeypatch):
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2/FMA CPU or no C compiler")
-@pytest.mark.parametrize("head_dim, heads", [(8, (4, 2)), (64, (9, 3)), (20, (2, 2))], ids=["d8", "d64-gqa3", "d20-mha"])
-def test_cpu_backend_matches_the_dense_reference(head_dim, heads):
-    """Every short query (decodes, chains, trees, forests) through the AVX2 kernel, the long ones through
+@pytest.mark.parametrize(
+    "head_dim, heads", [(8, (4, 2)), (64, (9, 3)), (64, (10, 2)), (128, (5, 1)), (20, (2, 2))],
+    ids=["d8", "d64-gqa3", "d64-gqa5", "d128-gqa5", "d20-mha"],
+)
+def test_cpu_backend_matches_the_dense_reference(head_dim, heads, kernel_build):
+    """Every short query (decodes, chains, trees, forests) through the C kernel (AVX-512 passes of
+    4 heads at D = 64 and 2 at D = 128, with a remainder; AVX2 for other D), the long ones through
     SDPA; q a strided view of a fused qkv, as the model passes it."""
     p = make_problem(head_dim=head_dim, num_heads=heads[0], num_kv_heads=heads[1])
     meta = CPU.build_metadata(p.specs, 4)

@@ -1,11 +1,14 @@
-"""The AVX2 matmul kernel for few-row inputs: same numbers as ``x @ w.T``, and start-up
-calibration uses it only up to one of the timed row counts."""
+"""The CPU kernels for few-row inputs: same numbers as torch (``x @ w.T`` and the rest),
+a row's result independent of the batch, and start-up calibration uses the matmul only
+up to one of the timed row counts. The kernel tests run against the build for this CPU
+and, where that one has AVX-512, against the AVX2-only build too (``kernel_build``)."""
 
 import pytest
 import torch
 
 from engine.layers import cpu_kernels
 from engine.layers.linear import GEMV_CANDIDATES, ColumnParallelLinear, calibrate_gemv, can_prepack
+from tests.engine_core.conftest import AVX512_BUILD
 from tests.engine_core.test_linear_padding import _packed_layer
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2/FMA CPU or no C compiler")
@@ -17,7 +20,7 @@ needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2/FM
     [(1, 96, 64), (2, 7, 33), (3, 576, 576), (4, 5, 1536), (5, 130, 100), (8, 64, 31), (9, 3, 40), (10, 130, 100),
      (16, 64, 576), (33, 9, 37)],
 )
-def test_gemv_matches_matmul(m, n, k):
+def test_gemv_matches_matmul(m, n, k, kernel_build):
     """Odd row and feature counts, K not a multiple of the vector width, more rows than one block."""
     g = torch.Generator().manual_seed(m * 1000 + n)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
@@ -25,7 +28,7 @@ def test_gemv_matches_matmul(m, n, k):
 
 
 @needs_kernel
-def test_gemv_reads_a_non_contiguous_input():
+def test_gemv_reads_a_non_contiguous_input(kernel_build):
     x = torch.randn(16, 64)[::4]  # rows of a larger tensor
     w = torch.randn(10, 64)
     torch.testing.assert_close(cpu_kernels.gemv(x, w), x @ w.T, rtol=1e-4, atol=1e-4)
@@ -76,9 +79,10 @@ def test_rms_norm_module_uses_the_kernel_only_outside_autograd():
 
 
 @needs_kernel
-def test_gemv_row_results_do_not_depend_on_the_batch():
+def test_gemv_row_results_do_not_depend_on_the_batch(kernel_build):
     """A row's bits are the same alone and at any position among other rows (batch
-    invariance, and drafts verified beside their own last token)."""
+    invariance, and drafts verified beside their own last token): up to 8 rows in the
+    AVX2 build, and from 9 rows on; at any row count in the AVX-512 one."""
     g = torch.Generator().manual_seed(7)
     w, x = torch.randn(50, 200, generator=g), torch.randn(7, 200, generator=g)
     alone = torch.cat([cpu_kernels.gemv(x[i : i + 1], w) for i in range(7)])
@@ -89,6 +93,10 @@ def test_gemv_row_results_do_not_depend_on_the_batch():
     full = cpu_kernels.gemv(x, w)
     for m in (9, 10, 11, 12, 17):
         assert torch.equal(cpu_kernels.gemv(x[:m], w), full[:m])
+    if kernel_build == "native" and AVX512_BUILD:
+        alone = torch.cat([cpu_kernels.gemv(x[i : i + 1], w) for i in range(20)])
+        for m in (2, 3, 4, 5, 8, 9, 13, 20):
+            assert torch.equal(cpu_kernels.gemv(x[:m], w), alone[:m])
 
 
 @needs_kernel
@@ -111,7 +119,7 @@ def test_rope_matches_torch_on_a_strided_view():
 
 
 @needs_kernel
-def test_paged_attention_of_a_token_does_not_depend_on_the_others():
+def test_paged_attention_of_a_token_does_not_depend_on_the_others(kernel_build):
     from tests.engine_core.attention_problems import make_problem
 
     from engine.attention import build_attention_metadata, paged_attention

@@ -1,5 +1,7 @@
 /* CPU kernels for the few rows of a decode or verification step, float32,
- * x86-64 with AVX2 and FMA. Built at run time by engine/layers/cpu_kernels.py.
+ * x86-64 with AVX2 and FMA; the matmul and the attention have AVX-512 paths,
+ * compiled where the CPU has it (-mavx512f). Built at run time by
+ * engine/layers/cpu_kernels.py.
  *
  * gemv_f32: y [M, N] = x [M, K] @ w [N, K]^T (a handful of rows; any M works).
  * At a few rows a linear layer is a stream over its weights: every weight is
@@ -121,7 +123,92 @@ static void gemv_tiles(const float *x, const float *w, float *y, int64_t M, int6
     }
 }
 
+#ifdef __AVX512F__
+/* AVX-512 (built where the CPU has it): one order for every M.
+ *
+ * y[r][c] = w[c] . x[r] for R input rows and C weight rows (both known at compile time
+ * in each instantiation): R x C accumulators, each one chain over k in steps of 16
+ * (the tail through a masked load), then _mm512_reduce_add_ps. That order is the same
+ * for every R, C and place in the batch, so a row's result is the same bits whatever
+ * else is in the batch, at any M. The first pass over a weight tile (first) prefetches
+ * its rows ahead; the passes for the next input rows find them in L1. */
+static inline __attribute__((always_inline)) void tile512(const float *w, const float *x, int64_t K, int R, int C,
+                                                           int first, float *y, int64_t N) {
+    __m512 a[4][8];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) a[r][c] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 xv[4];
+        for (int r = 0; r < R; r++) xv[r] = _mm512_loadu_ps(x + r * K + k);
+        for (int c = 0; c < C; c++) {
+            if (first) _mm_prefetch((const char *)(w + c * K + k + PREFETCH), _MM_HINT_T0);
+            __m512 wv = _mm512_loadu_ps(w + c * K + k);
+            for (int r = 0; r < R; r++) a[r][c] = _mm512_fmadd_ps(wv, xv[r], a[r][c]);
+        }
+    }
+    if (k < K) {
+        const __mmask16 tail = (__mmask16)((1u << (K - k)) - 1);
+        __m512 xv[4];
+        for (int r = 0; r < R; r++) xv[r] = _mm512_maskz_loadu_ps(tail, x + r * K + k);
+        for (int c = 0; c < C; c++) {
+            __m512 wv = _mm512_maskz_loadu_ps(tail, w + c * K + k);
+            for (int r = 0; r < R; r++) a[r][c] = _mm512_fmadd_ps(wv, xv[r], a[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) y[r * N + c] = _mm512_reduce_add_ps(a[r][c]);
+}
+
+/* C weight rows (a constant in each call) against every input row, R at a time. At
+ * M < 4, C = 8 (R x 8 accumulators, 24 at most, plus the inputs: 32 zmm registers);
+ * from M = 4, tiles of 4 x 6. */
+#define TILE512(R, C) tile512(w, x + m * K, K, R, C, m == 0, y + m * N, N)
+static inline __attribute__((always_inline)) void rows512(const float *w, const float *x, float *y, int64_t M,
+                                                           int64_t N, int64_t K, int C) {
+    int64_t m = 0;
+    if (C == 8) {
+        if (M == 3) TILE512(3, 8);
+        if (M == 2) TILE512(2, 8);
+        if (M == 1) TILE512(1, 8);
+        return;
+    }
+    for (; m + 4 <= M; m += 4) {
+        if (C == 6) TILE512(4, 6); else TILE512(4, 1);
+    }
+    const int64_t rest = M - m;
+    if (C == 6) {
+        if (rest == 3) TILE512(3, 6);
+        if (rest == 2) TILE512(2, 6);
+        if (rest == 1) TILE512(1, 6);
+    } else {
+        if (rest == 3) TILE512(3, 1);
+        if (rest == 2) TILE512(2, 1);
+        if (rest == 1) TILE512(1, 1);
+    }
+}
+
+static void gemm512(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
+    const int C = M < 4 ? 8 : 6;
+    const int64_t tiles = (N + C - 1) / C;
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n = t * C;
+        if (n + C <= N) {
+            if (C == 8) rows512(w + n * K, x, y + n, M, N, K, 8);
+            else rows512(w + n * K, x, y + n, M, N, K, 6);
+        } else {
+            for (int64_t c = n; c < N; c++) rows512(w + c * K, x, y + c, M, N, K, 1);
+        }
+    }
+}
+#endif
+
 void gemv_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
+#ifdef __AVX512F__
+    gemm512(x, w, y, M, N, K, num_threads);
+    return;
+#endif
     if (M <= SMALL_M)
         gemv_rows(x, w, y, M, N, K, num_threads);
     else
@@ -198,6 +285,107 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * H / KVH query heads share each key and value as it is read. Scores are kept for
  * the whole list (two passes: max, then exp and sums), in list order, so a token's
  * result never depends on the other tokens of the step. */
+#ifdef __AVX512F__
+/* exp256's function on 16 floats. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* RH query heads (q, head after head) of one KV head g over L keys at slots sl: out o.
+ * D = 16 * DV; RH and DV are constants in each instantiation, so the queries and the
+ * output accumulators live in registers. scores: RH rows of stride ss floats. Softmax
+ * in two passes (scores and their max, then exp and the weighted sum of values), the
+ * sum normalised once at the end. */
+static inline __attribute__((always_inline)) void attend512(const float *q, const float *k_cache,
+                                                             const float *v_cache, const int64_t *sl, int64_t L,
+                                                             int64_t KVH, int64_t g, float scale, float *scores,
+                                                             int64_t ss, float *o, const int DV, const int RH) {
+    const int64_t D = 16 * DV;
+    __m512 qv[4][8], acc[4][8];
+    float mx[4], total[4];
+    for (int r = 0; r < RH; r++) {
+        mx[r] = -INFINITY;
+        for (int d = 0; d < DV; d++) qv[r][d] = _mm512_mul_ps(_mm512_loadu_ps(q + r * D + 16 * d), _mm512_set1_ps(scale));
+    }
+    for (int64_t j = 0; j < L; j++) {
+        const float *kj = k_cache + (sl[j] * KVH + g) * D;
+        __m512 kv[8];
+        for (int d = 0; d < DV; d++) kv[d] = _mm512_loadu_ps(kj + 16 * d);
+        for (int r = 0; r < RH; r++) {
+            __m512 s = _mm512_mul_ps(qv[r][0], kv[0]);
+            for (int d = 1; d < DV; d++) s = _mm512_fmadd_ps(qv[r][d], kv[d], s);
+            const float x = _mm512_reduce_add_ps(s);
+            scores[r * ss + j] = x;
+            mx[r] = x > mx[r] ? x : mx[r];
+        }
+    }
+    for (int r = 0; r < RH; r++) {
+        float *sr = scores + r * ss;
+        const __m512 m = _mm512_set1_ps(mx[r]);
+        __m512 t = _mm512_setzero_ps();
+        int64_t j = 0;
+        for (; j + 16 <= L; j += 16) {
+            __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), m));
+            _mm512_storeu_ps(sr + j, e);
+            t = _mm512_add_ps(t, e);
+        }
+        if (j < L) {
+            const __mmask16 tail = (__mmask16)((1u << (L - j)) - 1);
+            __m512 e = _mm512_maskz_mov_ps(tail, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sr + j), m)));
+            _mm512_mask_storeu_ps(sr + j, tail, e);
+            t = _mm512_add_ps(t, e);
+        }
+        total[r] = _mm512_reduce_add_ps(t);
+        for (int d = 0; d < DV; d++) acc[r][d] = _mm512_setzero_ps();
+    }
+    for (int64_t j = 0; j < L; j++) {
+        const float *vj = v_cache + (sl[j] * KVH + g) * D;
+        __m512 vv[8];
+        for (int d = 0; d < DV; d++) vv[d] = _mm512_loadu_ps(vj + 16 * d);
+        for (int r = 0; r < RH; r++) {
+            const __m512 w = _mm512_set1_ps(scores[r * ss + j]);
+            for (int d = 0; d < DV; d++) acc[r][d] = _mm512_fmadd_ps(w, vv[d], acc[r][d]);
+        }
+    }
+    for (int r = 0; r < RH; r++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / total[r]);
+        for (int d = 0; d < DV; d++) _mm512_storeu_ps(o + r * D + 16 * d, _mm512_mul_ps(acc[r][d], inv));
+    }
+}
+
+/* The query heads of one work item in passes of up to 4 (D = 64) or 2 (D = 128). */
+static int attend512_heads(const float *q, const float *k_cache, const float *v_cache, const int64_t *sl,
+                           int64_t L, int64_t KVH, int64_t g, float scale, float *scores, int64_t ss, float *o,
+                           int64_t D, int64_t rep) {
+    if (D == 64) {
+        int64_t r = 0;
+        for (; r + 4 <= rep; r += 4) attend512(q + r * D, k_cache, v_cache, sl, L, KVH, g, scale, scores, ss, o + r * D, 4, 4);
+        for (; r < rep; r++) attend512(q + r * D, k_cache, v_cache, sl, L, KVH, g, scale, scores, ss, o + r * D, 4, 1);
+        return 1;
+    }
+    if (D == 128) {
+        int64_t r = 0;
+        for (; r + 2 <= rep; r += 2) attend512(q + r * D, k_cache, v_cache, sl, L, KVH, g, scale, scores, ss, o + r * D, 8, 2);
+        for (; r < rep; r++) attend512(q + r * D, k_cache, v_cache, sl, L, KVH, g, scale, scores, ss, o + r * D, 8, 1);
+        return 1;
+    }
+    return 0;
+}
+#endif
+
 void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                          const int64_t *rows, const int64_t *start, const int64_t *len, const int64_t *slots,
                          float *out, int64_t n, int64_t H, int64_t KVH, int64_t D, float scale, int num_threads) {
@@ -213,6 +401,11 @@ void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
             const int64_t i = item / KVH, g = item % KVH, L = len[i];
             const int64_t *sl = slots + start[i];
             const float *qi = q + rows[i] * q_stride + g * rep * D;
+#ifdef __AVX512F__
+            if (attend512_heads(qi, k_cache, v_cache, sl, L, KVH, g, scale, scores, max_len + 8,
+                                out + (rows[i] * H + g * rep) * D, D, rep))
+                continue;
+#endif
             for (int64_t j = 0; j < L; j++) {
                 const float *kj = k_cache + (sl[j] * KVH + g) * D;
                 for (int64_t r = 0; r < rep; r++) scores[r * (max_len + 8) + j] = dot(qi + r * D, kj, D) * scale;

@@ -1,0 +1,19 @@
+"""Fixtures of the engine-core tests."""
+
+import shutil
+
+import pytest
+
+from engine.layers import cpu_kernels
+
+AVX512_BUILD = cpu_kernels.load() is not None and cpu_kernels.compile_flags() != cpu_kernels.FLAGS
+
+
+@pytest.fixture(params=["native", pytest.param("avx2", marks=pytest.mark.skipif(
+    not AVX512_BUILD, reason="this CPU's build is the AVX2 one"))])
+def kernel_build(request, monkeypatch):
+    """The kernels of this CPU's build, and the AVX2-only build where this CPU has AVX-512."""
+    if request.param == "avx2":
+        lib = cpu_kernels.build(shutil.which("cc") or shutil.which("gcc"), cpu_kernels.FLAGS)
+        monkeypatch.setattr(cpu_kernels, "load", lambda: lib)
+    return request.param
