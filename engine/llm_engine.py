@@ -89,8 +89,9 @@ class LLMEngine:
         self.step_fallbacks = 0  # 1 when the drafter failed in the current step
         self._grammars = None  # engine.grammar.Grammars, built at the first structured request
         log.info("engine ready: %d KV blocks of %d tokens on %s (%s, attention %s); matmul inputs padded to %d rows, "
-                 "AVX2 kernel up to %d rows", num_blocks, spec.block_size, device, dtype, attention.name,
-                 getattr(model, "min_rows", 1), getattr(model, "gemv_max_rows", 0))
+                 "C matmul kernel up to %d rows%s", num_blocks, spec.block_size, device, dtype, attention.name,
+                 getattr(model, "min_rows", 1), getattr(model, "gemv_max_rows", 0),
+                 ", each decoder layer in one C call" if getattr(model, "fused", None) else "")
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False)

@@ -116,7 +116,11 @@ def build(compiler: str, flags: tuple[str, ...]):
     )
     lib.silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.rope_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-    for f in (lib.gemv_f32, lib.rms_norm_f32, lib.paged_attention_f32, lib.silu_mul_f32, lib.rope_f32):
+    lib.decoder_layer_f32.argtypes = (
+        [ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 16 + [ctypes.c_int]
+    )
+    for f in (lib.gemv_f32, lib.rms_norm_f32, lib.paged_attention_f32, lib.silu_mul_f32, lib.rope_f32,
+              lib.decoder_layer_f32):
         f.restype = None
     return lib
 
@@ -180,3 +184,33 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     y = torch.empty(t, nh, d, dtype=torch.float32)
     load().rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), t, nh, d)
     return y
+
+
+def layer_args(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
+               weights: list[torch.Tensor]) -> tuple:
+    """A decoder layer's constant arguments of ``decoder_layer``: its sizes, and the addresses
+    of ``weights`` (input norm, qkv, o, post-attention norm, gate+up, down; float32,
+    contiguous, never moved afterwards)."""
+    assert all(w.dtype == torch.float32 and w.is_contiguous() for w in weights)
+    return (hidden, heads, kv_heads, head_dim, inter, eps, head_dim**-0.5, *(w.data_ptr() for w in weights))
+
+
+def step_args(cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor,
+              start: torch.Tensor, length: torch.Tensor, slots: torch.Tensor, scratch: torch.Tensor) -> tuple:
+    """A step's arguments of ``decoder_layer``, the same for every layer: cos, sin [T, 1, D]
+    contiguous, the listed attention metadata (``ListedQueries``) of every token, and a
+    float32 scratch of ``scratch_size`` floats. The tensors must outlive the step."""
+    return tuple(t.data_ptr() for t in (cos, sin, slot_mapping, rows, start, length, slots, scratch))
+
+
+def scratch_size(tokens: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int) -> int:
+    return tokens * (2 * hidden + (2 * heads + 3 * kv_heads) * head_dim + heads * head_dim + 3 * inter)
+
+
+def decoder_layer(x: torch.Tensor, layer: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor, step: tuple) -> None:
+    """One decoder layer in place on x [T, hidden] (contiguous) for a step whose tokens
+    all attend through listed slots: the same kernels, in the same order, as the model's
+    own forward, in one call (csrc/cpu_kernels.c, ``decoder_layer_f32``). ``layer`` from
+    ``layer_args``, ``step`` from ``step_args``; k_cache, v_cache [blocks, block_size, KVH, D]."""
+    load().decoder_layer_f32(x.data_ptr(), x.shape[0], *layer, k_cache.data_ptr(), v_cache.data_ptr(), *step,
+                             torch.get_num_threads())

@@ -27,6 +27,9 @@ from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.parallel import SINGLE, TPGroup
 
 
+FUSED_TOLERANCE = 1.15  # see LlamaForCausalLM.prepack
+
+
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -92,6 +95,21 @@ class LlamaDecoderLayer(nn.Module):
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), meta, kv_cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
+    def fused_args(self) -> tuple | None:
+        """This layer's ``cpu_kernels.layer_args`` (the whole layer in one C call), or None
+        where it cannot run that way: no kernels, not float32 on the CPU, q/k norms, or
+        tensor parallel (its all-reduces sit between the kernels)."""
+        attn, mlp = self.self_attn, self.mlp
+        w = attn.qkv_proj.weight
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if (cpu_kernels.load() is None or w.dtype != torch.float32 or w.device.type != "cpu" or attn.qk_norm
+                or attn.o_proj.tp.size > 1 or norms[0].eps != norms[1].eps):
+            return None
+        weights = [norms[0].weight, w, attn.o_proj.weight, norms[1].weight, mlp.gate_up_proj.weight,
+                   mlp.down_proj.weight]
+        return cpu_kernels.layer_args(w.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                      mlp.down_proj.weight.shape[1], norms[0].eps, [t.data for t in weights])
+
 
 class LlamaForCausalLM(nn.Module):
     """``forward`` gives final hidden states; ``compute_logits`` the vocab logits.
@@ -105,6 +123,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.min_rows = 1  # CPU matmul inputs of fewer rows are padded (set by prepack)
         self.gemv_max_rows = 0  # ... and inputs of at most this many rows use cpu_kernels.gemv (set by prepack)
+        self.fused: list[tuple] | None = None  # per layer, cpu_kernels.layer_args (set by prepack)
         max_positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
@@ -125,11 +144,16 @@ class LlamaForCausalLM(nn.Module):
         """
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary(positions, hidden.dtype)
+        fused = self._fused_inputs(hidden, rope, meta)  # kept alive through the loop
+        step = cpu_kernels.step_args(*fused) if fused else None
         taken = {}
         for i, layer in enumerate(self.layers[:num_layers]):
             if i in capture:
-                taken[i] = hidden
-            hidden = layer(rope, hidden, meta, kv_cache)
+                taken[i] = hidden.clone() if step else hidden  # a fused layer writes in place
+            if step:
+                cpu_kernels.decoder_layer(hidden, self.fused[i], *kv_cache.layer(i), step)
+            else:
+                hidden = layer(rope, hidden, meta, kv_cache)
         hidden = self.norm(hidden)
         if not capture:
             return hidden
@@ -138,13 +162,37 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack(self) -> None:
         """Weights are final: let the linear layers reorder them for the CPU kernels,
-        and time whether short inputs run faster padded (``calibrate_min_rows``) or
-        through the AVX2 kernel (``calibrate_gemv``)."""
+        time whether short inputs run faster padded (``calibrate_min_rows``) or
+        through the C kernel (``calibrate_gemv``), and take the layers' addresses for
+        whole-layer kernel calls (``fused``)."""
         linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
         for module in linears:
             module.prepack()
         self.min_rows = calibrate_min_rows(linears)
-        self.gemv_max_rows = calibrate_gemv(linears)
+        fused = [layer.fused_args() for layer in self.layers]
+        fusable = all(fused) and bool(fused)
+        # A fused layer also saves the dispatch between its ops (~2.5 ms of an ~11 ms pass at
+        # one row on the bench machine): there, the kernel wins ties within FUSED_TOLERANCE.
+        tolerance = FUSED_TOLERANCE if fusable else 1.05
+        self.gemv_max_rows = calibrate_gemv([m for m in linears if m is not self.lm_head], tolerance=tolerance)
+        calibrate_gemv([self.lm_head])  # the head on its own: never part of a fused layer
+        self.fused = fused if fusable and self.gemv_max_rows else None
+
+    def _fused_inputs(self, hidden, rope, meta) -> tuple | None:
+        """``cpu_kernels.step_args``' tensors when this step runs every layer in one C call
+        each: a decode or verification step (every token attended through listed KV slots)
+        of at most ``gemv_max_rows`` tokens, float32 on the CPU outside autograd. Those
+        calls make the same kernel calls as the layer modules, so the results are the same."""
+        listed = getattr(meta, "listed", None)
+        t = hidden.shape[0]
+        if (self.fused is None or listed is None or meta.solo or meta.batched or t > self.gemv_max_rows
+                or listed.rows.shape[0] != t or not cpu_kernels.usable(hidden)):
+            return None
+        attn = self.layers[0].self_attn
+        size = cpu_kernels.scratch_size(t, hidden.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                        self.layers[0].mlp.down_proj.weight.shape[1])
+        cos, sin = (r.contiguous() for r in rope)
+        return cos, sin, meta.slot_mapping, listed.rows, listed.start, listed.length, listed.slots, torch.empty(size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, vocab] in float32."""

@@ -133,3 +133,47 @@ def test_paged_attention_of_a_token_does_not_depend_on_the_others(kernel_build):
     one = paged_attention(p.q[row : row + 1], p.k[row : row + 1], p.v[row : row + 1],
                           (p.k_cache.clone(), p.v_cache.clone()), alone)
     assert torch.equal(one[0], together[row])
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, head_dim", [((4, 2), 64), ((3, 3), 48)], ids=["d64-gqa2", "d48-mha"])
+def test_fused_layers_give_the_bits_of_the_layer_modules(tiny_model, kernel_build, heads, head_dim):
+    """A decode and verification step (decodes, a chain, a tree) through one C call per
+    layer gives the same logits and KV cache bits as the layer modules' kernel calls."""
+    from engine.attention import SeqSpec, build_attention_metadata
+    from tests.engine_core.engine_helpers import scratch_cache
+
+    model = tiny_model(hidden_size=heads[0] * head_dim, num_attention_heads=heads[0], num_key_value_heads=heads[1],
+                       intermediate_size=200)
+    model.prepack()
+    for m in model.modules():
+        if isinstance(m, ColumnParallelLinear) or hasattr(m, "gemv_max_rows"):
+            m.gemv_max_rows = 8
+    fused = [layer.fused_args() for layer in model.layers]
+    assert all(fused)
+    kv = scratch_cache(model, 16, 4)
+    g = torch.Generator().manual_seed(3)
+    contexts = [9, 14, 5]
+    with torch.inference_mode():
+        for i, n in enumerate(contexts):  # prefill each request through the layer modules
+            spec = SeqSpec(0, n, list(range(4 * i, 4 * i + 4)))
+            ids = torch.randint(0, 512, (n,), generator=g)
+            model(ids, torch.arange(n), build_attention_metadata([spec], 4, listed=True), kv)
+        specs = [SeqSpec(9, 1, [0, 1, 2, 3]), SeqSpec(14, 2, [4, 5, 6, 7]), SeqSpec(5, 4, [8, 9, 10, 11], (-1, 0, 0, 1))]
+        ids = torch.randint(0, 512, (7,), generator=g)
+        pos = torch.tensor([9, 14, 15, 5, 6, 6, 7])
+        out = {}
+        for name, layers in (("modules", None), ("fused", fused)):
+            model.fused = layers
+            cache = scratch_cache(model, 16, 4)
+            for i in range(len(model.layers)):
+                for dst, src in zip(cache.layer(i), kv.layer(i)):
+                    dst.copy_(src)
+            meta = build_attention_metadata(specs, 4, listed=True)
+            assert (model._fused_inputs(torch.empty(7, model.config.hidden_size), model.rotary(pos, torch.float32),
+                                        meta) is not None) == (layers is not None)
+            out[name] = (model.compute_logits(model(ids, pos, meta, cache)), cache)
+    assert torch.equal(out["modules"][0], out["fused"][0])
+    for i in range(len(model.layers)):
+        for a, b in zip(out["modules"][1].layer(i), out["fused"][1].layer(i)):
+            assert torch.equal(a, b)

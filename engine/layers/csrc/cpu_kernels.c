@@ -21,6 +21,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define PREFETCH 128
 #define ROWS 3 /* input rows per tile */
@@ -481,4 +482,43 @@ void rope_f32(const float *x, int64_t x_stride, const float *cos, const float *s
             }
         }
     }
+}
+
+/* One Llama decoder layer (pre-norm attention, gated SiLU MLP, no biases) for the T
+ * tokens of a decode or verification step, every one of them attended through its
+ * own list of KV slots; in place on x [T, Hd]. It makes the kernel calls of the
+ * model's layer-by-layer forward (engine/models/llama.py) in the same order, so its
+ * results are the same bits, without the Python and torch dispatch between them.
+ * Weights [out, in]: w_qkv [(H + 2 KVH) D, Hd], w_o [Hd, H D], w_gu [2 I, Hd] (gate rows,
+ * then up rows), w_down [Hd, I]; cos, sin [T, D]; the new keys (rotated) and values are
+ * written at slot_mapping[t] of k_cache, v_cache [num_slots, KVH, D].
+ * scratch: at least T * (2 Hd + (2 H + 3 KVH) D + H D + 3 I) floats. */
+void decoder_layer_f32(float *x, int64_t T, int64_t Hd, int64_t H, int64_t KVH, int64_t D, int64_t I, float eps,
+                       float scale, const float *ln1, const float *w_qkv, const float *w_o, const float *ln2,
+                       const float *w_gu, const float *w_down, float *k_cache, float *v_cache, const float *cos,
+                       const float *sin, const int64_t *slot_mapping, const int64_t *rows, const int64_t *start,
+                       const int64_t *len, const int64_t *slots, float *scratch, int num_threads) {
+    const int64_t QKV = (H + 2 * KVH) * D, QK = (H + KVH) * D;
+    float *h = scratch;          /* [T, Hd]: a normed input */
+    float *qkv = h + T * Hd;     /* [T, QKV] */
+    float *qk = qkv + T * QKV;   /* [T, H + KVH, D]: rotated queries and keys */
+    float *att = qk + T * QK;    /* [T, H D] */
+    float *o = att + T * H * D;  /* [T, Hd]: a projection's output */
+    float *gu = o + T * Hd;      /* [T, 2 I] */
+    float *a = gu + T * 2 * I;   /* [T, I] */
+    rms_norm_f32(x, ln1, h, T, Hd, eps, num_threads);
+    gemv_f32(h, w_qkv, qkv, T, QKV, Hd, num_threads);
+    rope_f32(qkv, QKV, cos, sin, qk, T, H + KVH, D);
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(k_cache + slot_mapping[t] * KVH * D, qk + t * QK + H * D, sizeof(float) * KVH * D);
+        memcpy(v_cache + slot_mapping[t] * KVH * D, qkv + t * QKV + QK, sizeof(float) * KVH * D);
+    }
+    paged_attention_f32(qk, QK, k_cache, v_cache, rows, start, len, slots, att, T, H, KVH, D, scale, num_threads);
+    gemv_f32(att, w_o, o, T, Hd, H * D, num_threads);
+    for (int64_t i = 0; i < T * Hd; i++) x[i] += o[i];
+    rms_norm_f32(x, ln2, h, T, Hd, eps, num_threads);
+    gemv_f32(h, w_gu, gu, T, 2 * I, Hd, num_threads);
+    silu_mul_f32(gu, a, T, I, num_threads);
+    gemv_f32(a, w_down, o, T, Hd, I, num_threads);
+    for (int64_t i = 0; i < T * Hd; i++) x[i] += o[i];
 }
