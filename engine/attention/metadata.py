@@ -47,6 +47,7 @@ class SoloQuery:
     kv_span: tuple[int, int] | None  # (first slot, length) when the slots are contiguous: a view, no gather
     mask: torch.Tensor | None  # [query_len, kv_len] bool, True = attend; None: see ``causal``
     causal: bool  # with no mask: causal over the new tokens alone (True), or every key visible (False)
+    offset: int | None = None  # a chain: new token i sees keys 0 .. offset + i (offset = context); None: a tree
 
 
 @dataclass
@@ -80,6 +81,7 @@ class AttentionMetadata:
     solo: list[SoloQuery] = field(default_factory=list)
     batched: list[BatchedQuery] = field(default_factory=list)  # one per query-length bucket
     listed: ListedQueries | None = None  # built with ``listed=True``: every short query, for the CPU kernel
+    c_kernels: bool = False  # built with ``listed=True``: the C kernels attend (long chains too, where they can)
     specs: list[SeqSpec] = field(default_factory=list)  # what it was built from (other tensor-parallel ranks rebuild it)
 
 
@@ -116,7 +118,7 @@ def token_slots(block_table: list[int], n: int, block_size: int) -> np.ndarray:
 def _solo(spec: SeqSpec, start: int, block_size: int, device) -> SoloQuery:
     end = start + spec.query_len
     if spec.context_len == 0 and spec.parents is None:
-        return SoloQuery(start, end, None, None, None, causal=True)
+        return SoloQuery(start, end, None, None, None, causal=True, offset=0)
     kv_len = spec.context_len + spec.query_len
     blocks = spec.block_table[: -(-kv_len // block_size)]
     slots = span = None
@@ -124,12 +126,13 @@ def _solo(spec: SeqSpec, start: int, block_size: int, device) -> SoloQuery:
         span = (blocks[0] * block_size, kv_len)
     else:
         slots = torch.from_numpy(token_slots(spec.block_table, kv_len, block_size)).to(device)
+    offset = None if spec.parents else spec.context_len
     if spec.query_len == 1 and spec.parents is None:
-        return SoloQuery(start, end, slots, span, None, causal=False)  # one token sees everything
+        return SoloQuery(start, end, slots, span, None, causal=False, offset=offset)  # one token sees everything
     mask = np.ones((spec.query_len, kv_len), dtype=bool)
     new = tree_mask(spec.parents) if spec.parents else np.tri(spec.query_len, dtype=bool)
     mask[:, spec.context_len :] = new
-    return SoloQuery(start, end, slots, span, torch.from_numpy(mask).to(device), causal=False)
+    return SoloQuery(start, end, slots, span, torch.from_numpy(mask).to(device), causal=False, offset=offset)
 
 
 def _batched(specs: list[SeqSpec], starts: list[int], total_tokens: int, block_size: int, device) -> BatchedQuery:
@@ -190,7 +193,7 @@ def build_attention_metadata(specs: list[SeqSpec], block_size: int, device="cpu"
     starts = np.concatenate([[0], np.cumsum([s.query_len for s in specs])]).tolist()
     all_slots = [token_slots(s.block_table, s.context_len + s.query_len, block_size) for s in specs]
     slot_mapping = np.concatenate([slots[s.context_len :] for s, slots in zip(specs, all_slots)])
-    meta = AttentionMetadata(torch.from_numpy(slot_mapping).to(device), specs=list(specs))
+    meta = AttentionMetadata(torch.from_numpy(slot_mapping).to(device), specs=list(specs), c_kernels=listed)
     short = [i for i, s in enumerate(specs) if s.query_len <= MAX_BATCHED_QUERY]
     if listed and short:
         meta.listed = _listed([specs[i] for i in short], [starts[i] for i in short], [all_slots[i] for i in short])

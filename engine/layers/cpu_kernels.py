@@ -119,6 +119,10 @@ def build(compiler: str, flags: tuple[str, ...]):
     lib.decoder_layer_f32.argtypes = (
         [ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 16 + [ctypes.c_int]
     )
+    lib.prefill_attention_f32.argtypes = (
+        [ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+    )
+    lib.prefill_attention_f32.restype = ctypes.c_int
     for f in (lib.gemv_f32, lib.rms_norm_f32, lib.paged_attention_f32, lib.silu_mul_f32, lib.rope_f32,
               lib.decoder_layer_f32):
         f.restype = None
@@ -165,6 +169,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         length.data_ptr(), slots.data_ptr(), out.data_ptr(), rows.shape[0], h, kvh, d, d**-0.5,
         torch.get_num_threads(),
     )
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, out: torch.Tensor) -> bool:
+    """Causal attention of a chunk of new tokens after ``offset`` tokens of context, into
+    ``out``: q [m, H, D], k and v [offset + m, KVH, D] (unit strides within a row: views
+    into the cache or the fused qkv are fine), out [m, H, D] contiguous; query i sees keys
+    0 .. offset + i. Returns False, having done nothing, where there is no kernel for
+    this CPU and head size (AVX-512, D = 64 or 128): the caller attends another way."""
+    m, h, d = q.shape
+    kvh = k.shape[1]
+    for t in (q, k, v):
+        assert t.stride(2) == 1 and t.stride(1) == d
+    assert out.is_contiguous() and k.shape[0] == v.shape[0] == offset + m and h % kvh == 0
+    return bool(load().prefill_attention_f32(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(), m, offset,
+        h, kvh, d, d**-0.5, torch.get_num_threads(),
+    ))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

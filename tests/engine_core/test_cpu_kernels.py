@@ -177,3 +177,33 @@ def test_fused_layers_give_the_bits_of_the_layer_modules(tiny_model, kernel_buil
     for i in range(len(model.layers)):
         for a, b in zip(out["modules"][1].layer(i), out["fused"][1].layer(i)):
             assert torch.equal(a, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, head_dim", [((9, 3), 64), ((4, 1), 128), ((2, 2), 64)])
+@pytest.mark.parametrize("offset, m", [(0, 1), (0, 100), (37, 70), (200, 17), (64, 64), (0, 300)])
+def test_prefill_attention_matches_causal_attention_over_the_context(kernel_build, heads, head_dim, offset, m):
+    """A chunk of m new tokens after ``offset`` of context: token i sees keys 0 .. offset + i
+    (key blocks of 64 cut anywhere, query tiles of 16 cut anywhere); q, k, v strided views
+    of fused rows, as the model passes them. Where the build has no kernel (AVX2), False."""
+    (h, kvh), d = heads, head_dim
+    g = torch.Generator().manual_seed(offset * 7 + m)
+    q = torch.randn(m, h + 1, d, generator=g)[:, :h]
+    kv = torch.randn(offset + m, 2 * kvh + 1, d, generator=g)
+    k, v = kv[:, :kvh], kv[:, kvh : 2 * kvh]
+    out = torch.empty(m, h, d)
+    if not cpu_kernels.prefill_attention(q, k, v, offset, out):
+        assert kernel_build == "avx2" or not AVX512_BUILD
+        return
+    visible = torch.ones(m, offset + m, dtype=torch.bool)
+    visible[:, offset:] = torch.tril(torch.ones(m, m, dtype=torch.bool))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=visible, enable_gqa=True
+    )[0].transpose(0, 1)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@needs_kernel
+def test_prefill_attention_declines_other_head_sizes():
+    q, k, v = torch.randn(5, 2, 48), torch.randn(5, 2, 48), torch.randn(5, 2, 48)
+    assert not cpu_kernels.prefill_attention(q, k, v, 0, torch.empty(5, 2, 48))

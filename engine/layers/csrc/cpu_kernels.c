@@ -522,3 +522,140 @@ void decoder_layer_f32(float *x, int64_t T, int64_t Hd, int64_t H, int64_t KVH, 
     gemv_f32(a, w_down, o, T, Hd, I, num_threads);
     for (int64_t i = 0; i < T * Hd; i++) x[i] += o[i];
 }
+
+#ifdef __AVX512F__
+#define PQ 16 /* query rows per work item of prefill_attention_f32 */
+#define PK 64 /* keys per block */
+
+/* A tile of prefill attention: rows [0, nq) of one query head (queries qt [nq, D], already
+ * scaled, query row i at position pos0 + i and seeing keys 0 .. pos0 + i) over the keys,
+ * transposed (kT[d * kt_stride + j]: dimension d of key j), and the values (value j at
+ * v + j * v_stride), flash-attention style: key blocks of PK,
+ * the running max and sum per row, the output rows (o [PQ, D]) rescaled as the max grows.
+ * D = 16 DV; RB query rows at a time (registers: RB x 4 score vectors, RB x DV outputs). */
+static inline __attribute__((always_inline)) void prefill_tile(const float *qt, int64_t nq, int64_t pos0,
+                                                                const float *kT, int64_t kt_stride, const float *v,
+                                                                int64_t v_stride, float *o, const int DV, const int RB) {
+    const int64_t D = 16 * DV;
+    float s[PQ * PK], mx[PQ], sum[PQ];
+    for (int64_t i = 0; i < nq; i++) {
+        mx[i] = -INFINITY;
+        sum[i] = 0.0f;
+        for (int64_t d = 0; d < D; d++) o[i * D + d] = 0.0f;
+    }
+    const int64_t keys = pos0 + nq; /* the last row sees keys 0 .. keys - 1 */
+    for (int64_t j0 = 0; j0 < keys; j0 += PK) {
+        const int64_t nk = keys - j0 < PK ? keys - j0 : PK;
+        const float *kt = kT + j0; /* kt[d * kt_stride + j]: key j0 + j, zeros past the last key */
+        for (int64_t i0 = 0; i0 < nq; i0 += RB) { /* s = q . k for RB rows: RB x 4 accumulators */
+            __m512 acc[4][4];
+            for (int r = 0; r < RB; r++)
+                for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d++) {
+                __m512 kv4[4];
+                for (int c = 0; c < 4; c++) kv4[c] = _mm512_loadu_ps(kt + d * kt_stride + 16 * c);
+                for (int r = 0; r < RB; r++) {
+                    const __m512 qv = _mm512_set1_ps(i0 + r < nq ? qt[(i0 + r) * D + d] : 0.0f);
+                    for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(qv, kv4[c], acc[r][c]);
+                }
+            }
+            for (int r = 0; r < RB; r++)
+                for (int c = 0; c < 4; c++) _mm512_storeu_ps(s + (i0 + r) * PK + 16 * c, acc[r][c]);
+        }
+        for (int64_t i = 0; i < nq; i++) { /* mask, online softmax, rescale the output row */
+            float *si = s + i * PK;
+            const int64_t visible = pos0 + i + 1 - j0; /* keys of this block row i sees */
+            const int64_t n = visible < nk ? visible : nk;
+            if (n <= 0) {
+                for (int64_t j = 0; j < PK; j++) si[j] = 0.0f;
+                continue;
+            }
+            __m512 mv16 = _mm512_set1_ps(mx[i]);
+            for (int64_t j = 0; j < n; j += 16) {
+                const __mmask16 keep = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+                mv16 = _mm512_mask_max_ps(mv16, keep, mv16, _mm512_loadu_ps(si + j));
+            }
+            const float m = _mm512_reduce_max_ps(mv16);
+            const float factor = exp1(mx[i] - m); /* 0 on the first block (mx = -inf) */
+            __m512 t = _mm512_setzero_ps();
+            const __m512 mv = _mm512_set1_ps(m);
+            for (int64_t j = 0; j < PK; j += 16) {
+                const __mmask16 keep = j >= n ? 0 : (n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1));
+                __m512 e = _mm512_maskz_mov_ps(keep, exp512(_mm512_sub_ps(_mm512_loadu_ps(si + j), mv)));
+                _mm512_storeu_ps(si + j, e);
+                t = _mm512_add_ps(t, e);
+            }
+            sum[i] = sum[i] * factor + _mm512_reduce_add_ps(t);
+            mx[i] = m;
+            if (factor != 1.0f) {
+                const __m512 f = _mm512_set1_ps(factor);
+                for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + i * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), f));
+            }
+        }
+        for (int64_t i0 = 0; i0 < nq; i0 += RB) { /* o += p . v for RB rows */
+            const int R = nq - i0 < RB ? (int)(nq - i0) : RB;
+            __m512 acc[4][8];
+            for (int r = 0; r < RB; r++)
+                for (int d = 0; d < DV; d++) acc[r][d] = r < R ? _mm512_loadu_ps(o + (i0 + r) * D + 16 * d) : _mm512_setzero_ps();
+            for (int64_t j = 0; j < nk; j++) {
+                __m512 vv[8];
+                const float *vj = v + (j0 + j) * v_stride;
+                for (int d = 0; d < DV; d++) vv[d] = _mm512_loadu_ps(vj + 16 * d);
+                for (int r = 0; r < RB; r++) {
+                    const __m512 p = _mm512_set1_ps(r < R ? s[(i0 + r) * PK + j] : 0.0f);
+                    for (int d = 0; d < DV; d++) acc[r][d] = _mm512_fmadd_ps(p, vv[d], acc[r][d]);
+                }
+            }
+            for (int r = 0; r < R; r++)
+                for (int d = 0; d < DV; d++) _mm512_storeu_ps(o + (i0 + r) * D + 16 * d, acc[r][d]);
+        }
+    }
+    for (int64_t i = 0; i < nq; i++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / sum[i]);
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + i * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), inv));
+    }
+}
+#endif
+
+/* Causal attention of a chunk of m new tokens after `offset` tokens of context:
+ * query i (row i of q, row stride q_stride floats, H heads of D) sees keys
+ * 0 .. offset + i of k and v (key j of KV head g at k + j * k_stride + g * D, its value
+ * at v + j * v_stride + g * D); query
+ * head h reads KV head h / (H / KVH). out [m, H, D] contiguous. Returns 0 (and does
+ * nothing) where there is no kernel for this head size (AVX-512 with D = 64 or 128). */
+int prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
+                          int64_t v_stride, float *out, int64_t m, int64_t offset, int64_t H, int64_t KVH, int64_t D, float scale,
+                          int num_threads) {
+#ifdef __AVX512F__
+    if (D != 64 && D != 128) return 0;
+    const int64_t blocks = (m + PQ - 1) / PQ, rep = H / KVH, S = offset + m, SP = (S + PK - 1) / PK * PK;
+    float *kT = malloc(sizeof(float) * KVH * D * SP); /* [KVH, D, SP]: the keys transposed once, zero-padded */
+    if (kT == NULL) return 0;
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t gd = 0; gd < KVH * D; gd++) {
+        const int64_t g = gd / D, d = gd % D;
+        float *row = kT + gd * SP;
+        for (int64_t j = 0; j < S; j++) row[j] = k[j * k_stride + g * D + d];
+        for (int64_t j = S; j < SP; j++) row[j] = 0.0f;
+    }
+    #pragma omp parallel for schedule(dynamic) num_threads(num_threads)
+    for (int64_t item = 0; item < blocks * H; item++) {
+        const int64_t b = blocks - 1 - item / H, h = item % H; /* the longest rows first */
+        const int64_t i0 = b * PQ, nq = m - i0 < PQ ? m - i0 : PQ;
+        float qt[PQ * 128], o[PQ * 128];
+        for (int64_t i = 0; i < nq; i++)
+            for (int64_t d = 0; d < D; d++) qt[i * D + d] = q[(i0 + i) * q_stride + h * D + d] * scale;
+        const float *kh = kT + (h / rep) * D * SP, *vh = v + (h / rep) * D;
+        if (D == 64) prefill_tile(qt, nq, offset + i0, kh, SP, vh, v_stride, o, 4, 4);
+        else prefill_tile(qt, nq, offset + i0, kh, SP, vh, v_stride, o, 8, 2);
+        for (int64_t i = 0; i < nq; i++)
+            for (int64_t d = 0; d < D; d++) out[((i0 + i) * H + h) * D + d] = o[i * D + d];
+    }
+    free(kT);
+    return 1;
+#else
+    (void)q; (void)q_stride; (void)k; (void)k_stride; (void)v; (void)v_stride; (void)out; (void)m; (void)offset; (void)H;
+    (void)KVH; (void)D; (void)scale; (void)num_threads;
+    return 0;
+#endif
+}
