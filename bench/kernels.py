@@ -1,6 +1,6 @@
 """The CPU matmul kernels of a pass, by number of tokens: why weights are prepacked
 for oneDNN with a batch-size hint of 16, and why a few rows go through our own
-AVX2 kernel instead (engine/layers/linear.py, engine/layers/cpu_kernels.py).
+C kernel instead (engine/layers/linear.py, engine/layers/cpu_kernels.py).
 
     .venv/bin/python -m bench.kernels [--repeats 7]
 
@@ -8,11 +8,13 @@ Runs the linear layers of the default model's 30 decoder layers (SmolLM2-135M
 shapes, random fp32 weights: speed does not depend on their values) over 1 to
 32 rows with oneDNN weights prepacked with hint 1 and with hint 16, with
 ``F.linear`` on the plain weights, and with ``cpu_kernels.gemv`` (where it
-builds); interleaved, the minimum of the repeats.
+builds: the build for this CPU, and on an AVX-512 CPU the AVX2-only build
+too); interleaved, the minimum of the repeats.
 Writes bench/results/kernels.md and kernels.png.
 """
 
 import argparse
+import shutil
 import time
 
 import torch
@@ -26,9 +28,10 @@ SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out): qkv, o
 ROWS = [1, 2, 3, 4, 6, 8, 11, 16, 17, 24, 32]
 
 
-def layer_stack(hint: int | str | None):
+def layer_stack(hint, lib=None):
     """Per layer, the four matmuls as functions of x [rows, in]: oneDNN prepacked with
-    ``hint``, ``F.linear`` (None) or the AVX2 kernel ("gemv")."""
+    ``hint``, ``F.linear`` (None) or the C kernel ("gemv", of the library ``lib``, default
+    this CPU's build)."""
     stack = []
     for _ in range(LAYERS):
         fns = []
@@ -37,12 +40,20 @@ def layer_stack(hint: int | str | None):
             if hint is None:
                 fns.append(lambda x, w=w: F.linear(x, w))
             elif hint == "gemv":
-                fns.append(lambda x, w=w: cpu_kernels.gemv(x, w))
+                fns.append(lambda x, w=w: gemv(lib, x, w))
             else:
                 p = torch.ops.mkldnn._reorder_linear_weight(w, hint)
                 fns.append(lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
         stack.append(fns)
     return stack
+
+
+def gemv(lib, x, w):
+    if lib is None:
+        return cpu_kernels.gemv(x, w)
+    y = torch.empty(x.shape[0], w.shape[0])
+    lib.gemv_f32(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], x.shape[1], torch.get_num_threads())
+    return y
 
 
 def time_pass(stack, rows: int) -> float:
@@ -61,7 +72,11 @@ def main() -> None:
     args = ap.parse_args()
     kernels = {"oneDNN, hint 1": layer_stack(1), "oneDNN, hint 16": layer_stack(16), "F.linear": layer_stack(None)}
     if cpu_kernels.load() is not None:
-        kernels["AVX2 gemv"] = layer_stack("gemv")
+        avx512 = cpu_kernels.compile_flags() != cpu_kernels.FLAGS
+        kernels["C kernel, AVX-512" if avx512 else "C kernel, AVX2"] = layer_stack("gemv")
+        if avx512:
+            avx2 = cpu_kernels.build(shutil.which("cc") or shutil.which("gcc"), cpu_kernels.FLAGS)
+            kernels["C kernel, AVX2"] = layer_stack("gemv", avx2)
     best = {(k, r): float("inf") for k in kernels for r in ROWS}
     for _ in range(args.repeats):
         for r in ROWS:
