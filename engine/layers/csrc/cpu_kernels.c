@@ -242,24 +242,30 @@ void rms_norm_f32(const float *x, const float *w, float *y, int64_t T, int64_t H
     }
 }
 
-/* exp(x) of 8 floats (Cephes' expf: x = n ln2 + r, e^r by a degree-6 polynomial,
- * 2^n through the exponent bits); relative error below 2e-7, x clamped to [-87, 88]. */
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+/* exp(x) of a vector of floats (Cephes' expf: x = n ln2 + r, e^r by a degree-6 polynomial,
+ * 2^n through the exponent bits); relative error below 2e-7, x clamped to [-87, 88].
+ * One definition for both widths: exp256 (8 floats) and, with AVX-512, exp512 (16). */
+#define DEFINE_EXP(name, V, VI, P, BITS, ROUND)                                                  \
+    static inline V name(V x) {                                                                  \
+        x = P##_min_ps(P##_max_ps(x, P##_set1_ps(-87.0f)), P##_set1_ps(88.0f));                  \
+        V n = ROUND(P##_mul_ps(x, P##_set1_ps(1.44269504088896341f)),                            \
+                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                              \
+        V r = P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), x);                                    \
+        r = P##_fnmadd_ps(n, P##_set1_ps(-2.12194440e-4f), r);                                   \
+        V p = P##_set1_ps(1.9875691500e-4f);                                                     \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(1.3981999507e-3f));                                   \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(8.3334519073e-3f));                                   \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(4.1665795894e-2f));                                   \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(1.6666665459e-1f));                                   \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(5.0000001201e-1f));                                   \
+        p = P##_fmadd_ps(p, P##_mul_ps(r, r), P##_add_ps(r, P##_set1_ps(1.0f)));                 \
+        VI e = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23);       \
+        return P##_mul_ps(p, P##_castsi##BITS##_ps(e));                                          \
+    }
+DEFINE_EXP(exp256, __m256, __m256i, _mm256, 256, _mm256_round_ps)
+#ifdef __AVX512F__
+DEFINE_EXP(exp512, __m512, __m512i, _mm512, 512, _mm512_roundscale_ps)
+#endif
 
 static inline float exp1(float x) { /* the same function on one float: vector lane 0 */
     return _mm_cvtss_f32(_mm256_castps256_ps128(exp256(_mm256_set1_ps(x))));
@@ -287,24 +293,6 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * the whole list (two passes: max, then exp and sums), in list order, so a token's
  * result never depends on the other tokens of the step. */
 #ifdef __AVX512F__
-/* exp256's function on 16 floats. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
 /* RH query heads (q, head after head) of one KV head g over L keys at slots sl: out o.
  * D = 16 * DV; RH and DV are constants in each instantiation, so the queries and the
  * output accumulators live in registers. scores: RH rows of stride ss floats. Softmax
