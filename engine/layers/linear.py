@@ -35,7 +35,7 @@ from engine.parallel import SINGLE, TPGroup
 
 PACK_BATCH_HINT = 16
 PAD_CANDIDATES = (1, 2, 4)  # inputs with fewer rows than the chosen one are padded up to it
-GEMV_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)  # row counts at which cpu_kernels.gemv is timed against oneDNN
+GEMV_CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128)  # row counts at which cpu_kernels.gemv is timed against oneDNN
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
