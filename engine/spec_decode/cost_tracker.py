@@ -17,6 +17,12 @@ towards it in proportion to their interpolation weights::
 and the policy's relative table is ``s / s_0``, made non-decreasing. One slow
 step moves an entry by at most ``alpha`` (5%). Observations come only from
 steps already run: the plan of a step never depends on its own drafts.
+
+Only plain decode steps move the table. A step that verifies drafts also runs
+the verification rule and builds the drafts' metadata; what it took beyond the
+table's prediction for its rows is averaged (same ``alpha``, at least 0) into
+``verify_fixed``, the fixed cost of a verifying pass that the policy charges a
+step's drafts as a whole (``SpecPolicy._step_pays``).
 """
 
 import bisect
@@ -38,18 +44,24 @@ class CostTracker:
             raise ValueError("a tracked cost table must be timed (one_token_s > 0)")
         self.rows = costs.rows
         self.seconds = [c * costs.one_token_s for c in costs.costs]
+        self.verify_extra_s = 0.0  # what a verifying step took beyond the table (average)
         self.num_observed = 0
 
-    def observe(self, rows: int, seconds: float) -> StepCosts:
-        """A decode step of ``rows`` tokens took ``seconds``; returns the updated table."""
+    def observe(self, rows: int, seconds: float, verified: bool = False) -> StepCosts:
+        """A decode step of ``rows`` tokens (``verified``: some of them drafts) took
+        ``seconds``; returns the updated table."""
         r = self.rows
         i = min(max(bisect.bisect_right(r, rows) - 1, 0), len(r) - 2)
         w = min(max((rows - r[i]) / (r[i + 1] - r[i]), 0.0), 1.0)
         predicted = (1 - w) * self.seconds[i] + w * self.seconds[i + 1]
+        self.num_observed += 1
+        if verified:
+            extra = min(max(seconds - predicted, 0.0), predicted)
+            self.verify_extra_s += ALPHA * (extra - self.verify_extra_s)
+            return self.table()
         ratio = min(max(seconds / predicted, 1 / MAX_RATIO), MAX_RATIO)
         self.seconds[i] *= 1 + ALPHA * (1 - w) * (ratio - 1)
         self.seconds[i + 1] *= 1 + ALPHA * w * (ratio - 1)
-        self.num_observed += 1
         return self.table()
 
     def table(self) -> StepCosts:
@@ -57,7 +69,8 @@ class CostTracker:
         for s in self.seconds:
             floor = max(floor, s / self.seconds[0])
             costs.append(floor)
-        return StepCosts(self.rows, tuple(costs), one_token_s=self.seconds[0])
+        return StepCosts(self.rows, tuple(costs), one_token_s=self.seconds[0],
+                         verify_fixed=self.verify_extra_s / self.seconds[0])
 
 
 @torch.inference_mode()

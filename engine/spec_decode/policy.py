@@ -113,6 +113,9 @@ class StepCosts:
     # so a seeded request's random draws, then do not depend on the other requests.
     per_request: bool = False
     one_token_s: float = 0.0  # seconds of a one-token pass when timed (0: a pinned cost)
+    # What a pass that verifies drafts costs beyond T(R) for its rows (building the drafts'
+    # metadata, the verification rule): one-token passes, observed online (CostTracker).
+    verify_fixed: float = 0.0
 
     @classmethod
     def linear(cls, per_token: float) -> "StepCosts":
@@ -201,6 +204,7 @@ class Decision:
     # they were at planning time); None when it has one.
     fresh: ClassState | None = None
     template: tuple[int, ...] | None = None  # a token tree's shape (engine.tree_policy); None: a chain
+    expected_tokens: float = 1.0  # tokens the round emits on average, by the estimates it was chosen with
 
 
 @dataclass(frozen=True)
@@ -234,9 +238,21 @@ class SpecPolicy:
         tokens so far (the drafts granted before it counted); ``alone``: as if at batch 1."""
         return self.step_costs.verify(g, 1, 1) if alone else self.step_costs.verify(g, batch, rows)
 
-    def gain(self, rates: list[float], g: int, costs: list[float]) -> float:
-        """Tokens per step of cost with ``g`` drafts at conditional ``rates``; ``costs[g]`` = V(g)."""
-        return expected_tokens(rates, g) / (costs[g] + g * self.c)
+    def _best_chain(self, rates: list[float], k: int, batch: int, rows: int, alone: bool) -> tuple[int, float]:
+        """``(g, gain)``: the chain length in 1..k with the most tokens per step of cost,
+        ``expected_tokens(rates, g) / (V(g) + g c)`` (the shortest on ties), in one pass over g."""
+        costs = self.step_costs
+        b, r = (1, 1) if alone or costs.per_request else (batch, rows)
+        t_rows, t_batch = costs(r), costs(b)  # verify_cost's terms that do not depend on g
+        best, accepted, survive = (0, 0.0), 0.0, 1.0
+        for g in range(1, k + 1):
+            survive *= rates[g - 1]
+            accepted += survive
+            v = costs(1 + g) if costs.per_request else 1.0 + (costs(r + g) - t_rows) * b / t_batch
+            gain = (1 + accepted) / (v + g * self.c)
+            if gain > best[1]:
+                best = (g, gain)
+        return best
 
     def plan(self, candidates: Sequence[Candidate], num_running: int) -> StepPlan:
         """Draft slots for each candidate (0: plain decoding; a chain's length or a tree's
@@ -248,7 +264,30 @@ class SpecPolicy:
             d = self._decide(c, batch, rows)
             rows += d.num_draft_slots
             decisions[c.request_id] = d
+        shared = [rid for rid, d in decisions.items() if d.num_draft_slots and not d.isolated]
+        if shared and self.config.adaptive and not self._step_pays([decisions[rid] for rid in shared], batch, rows):
+            for rid in shared:
+                d = decisions[rid]
+                decisions[rid] = Decision(0, d.context_class, fresh=d.fresh)
         return StepPlan(decisions)
+
+    def _step_pays(self, drafting: list[Decision], batch: int, rows: int) -> bool:
+        """Whether the step's drafts (of the requests priced within the batch) pay as a
+        whole, the verification pass's fixed cost included: tokens per unit of time with
+        them against without them. Each request's own choice counts its rows only; a
+        pass that verifies costs ``verify_fixed`` more (~2 ms of a 65 ms step at 64
+        requests on the bench machine), which a few marginal drafts do not pay back."""
+        costs = self.step_costs
+        if costs.per_request:  # a pinned cost: every request priced alone, as decided
+            return True
+        slots = sum(d.num_draft_slots for d in drafting)
+        tokens = sum(d.expected_tokens - 1 for d in drafting)
+        others = rows - slots  # without these drafts: plain rows, and the isolated requests' drafts
+        fixed = costs.verify_fixed
+        draft = slots * self.c * costs(batch) / batch  # c: per token, in a request's share of a plain step
+        with_drafts = (batch + tokens) / (costs(rows) + fixed + draft)
+        without = batch / (costs(others) + (fixed if others > batch else 0.0))
+        return with_drafts >= without
 
     def _decide(self, c: Candidate, batch: int, rows: int) -> Decision:
         key, alone = c.context_class, c.isolated
@@ -265,9 +304,8 @@ class SpecPolicy:
         if self.step < cs.paused_until:
             return Decision(0, key, isolated=alone)
         rates = cs.estimate()
-        costs = [self.verify_cost(g, batch, rows, alone) for g in range(k + 1)]
-        gamma = max(range(1, k + 1), key=lambda g: (self.gain(rates, g, costs), -g))
-        gain, template = self.gain(rates, gamma, costs), None
+        gamma, gain = self._best_chain(rates, k, batch, rows, alone)
+        template = None
         if c.trees and self.trees:
             cost = lambda n: self.verify_cost(n, batch, rows, alone) + n * self.c  # noqa: E731
             shape, tree_gain = tree_policy.best(self.trees, rates, cs.siblings, cost)
@@ -277,7 +315,9 @@ class SpecPolicy:
             if not cs.probing:
                 return Decision(0, key, pause=True, isolated=alone, fresh=fresh)
             gamma, template = 1, None  # a probe after a pause: the cheapest test of whether drafts pay again
-        return Decision(gamma, key, isolated=alone, fresh=fresh, template=template)
+            gain = (1 + rates[0]) / (self.verify_cost(1, batch, rows, alone) + self.c)
+        tokens = gain * (self.verify_cost(gamma, batch, rows, alone) + gamma * self.c)
+        return Decision(gamma, key, isolated=alone, fresh=fresh, template=template, expected_tokens=tokens)
 
     def _fresh(self, key: int, isolated: bool) -> ClassState:
         """A request's first record of a class: the pooled one's rates, else (or when

@@ -61,3 +61,16 @@ def test_the_engine_recalibrates_a_timed_table_and_leaves_a_pinned_one(make_engi
     while pinned.has_unfinished():
         pinned.step()
     assert pinned.cost_tracker is None and pinned.policy.step_costs == before
+
+
+def test_a_verifying_step_moves_the_fixed_cost_not_the_table():
+    t = CostTracker(START)
+    table = t.observe(5, 0.017, verified=True)  # 5 ms beyond the 12 ms predicted for 5 rows
+    assert t.seconds == pytest.approx([0.010, 0.012, 0.020])
+    assert table.verify_fixed == pytest.approx(ALPHA * 0.005 / 0.010)
+    for _ in range(300):
+        table = t.observe(5, 0.017, verified=True)
+    assert table.verify_fixed == pytest.approx(0.5, rel=0.01)
+    for _ in range(300):
+        table = t.observe(5, 0.008, verified=True)  # faster than predicted: no negative fixed cost
+    assert 0.0 <= table.verify_fixed < 0.01

@@ -128,3 +128,24 @@ def test_drafting_that_pays_alone_stops_in_a_compute_bound_batch():
     policy.pooled[0] = ClassState([0.6] * 4, tested=4)
     assert slots(policy, num_running=1) == 4
     assert slots(policy, "s", num_running=16) == 0
+
+
+def test_drafts_that_pay_one_by_one_are_dropped_when_the_verifying_pass_does_not_pay():
+    """Each of 16 requests gains a little from one draft on its own rows; the pass that
+    verifies them costs a fixed 0.5 more, which their expected 0.7 accepted tokens each
+    (11.2 in all) do not pay back: the step decodes plainly. Without the fixed cost it drafts.
+    A seeded (isolated) request, priced alone, keeps its draft; then the pass verifies
+    anyway, its fixed cost is not charged again, and the others draft too."""
+    table = ((1, 17, 33), (1.0, 2.0, 3.0))  # T(16) = 1.94, 1/16 of a one-token pass per extra row
+    policy = lambda fixed: SpecPolicy(  # noqa: E731
+        SpeculativeConfig(method="ngram", num_speculative_tokens=1), 0.0,
+        StepCosts(*table, one_token_s=0.01, verify_fixed=fixed),
+    )
+    cheap, dear = policy(0.0), policy(0.5)
+    for p in (cheap, dear):
+        p.pooled[0] = ClassState([0.7], tested=1)
+    candidates = [Candidate(f"r{i}", 0) for i in range(16)]
+    assert sum(cheap.plan(candidates, 16).num_draft_slots.values()) == 16
+    assert dear.plan(candidates, 16).num_draft_slots == {}
+    seeded = candidates[:-1] + [Candidate("seeded", 0, isolated=True)]
+    assert dear.plan(seeded, 16).num_draft_slots == {c.request_id: 1 for c in seeded}
