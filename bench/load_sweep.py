@@ -1,12 +1,16 @@
 """Speculation under load: plain decoding against each drafter, concurrency 1 to 64.
 
     .venv/bin/python -m bench.load_sweep [--methods ngram] [--concurrency 1,2,4,8,16,32,64] [--rounds 3]
+        [--requests-per-worker 3]
 
 Every server (plain, and one per speculation method) is up at once. For each
-concurrency ``c``, ``c`` streamed chat requests are sent at once (greedy,
-``ignore_eos``, ``--max-tokens`` each, MT-Bench-style prompts, the same ones
-for every server) to each server in turn, ``--rounds`` times, so that the
-machine's drifting speed hits every server alike; measured from the client:
+concurrency ``c``, a wave of ``c * --requests-per-worker`` streamed chat requests
+(greedy, ``ignore_eos``, ``--max-tokens`` each, MT-Bench-style prompts, the same
+ones for every server) is sent by ``c`` workers, each sending its next request as
+soon as its last one ended (vLLM's ``--max-concurrency``: the batch stays full
+until the wave's tail, as under steady load), to each server in turn,
+``--rounds`` times, so that the machine's drifting speed hits every server
+alike; measured from the client:
 total output tokens/s (median over rounds), and per request the inter-token
 latency (gap between output events over the tokens they carried, p50 over
 every round) and the time per output token. The target: with speculation on,
@@ -23,10 +27,9 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-import httpx
-
 from bench.common import RESULTS, markdown_table, round_robin_chat, write_report
 from bench.server_procs import serve
+from bench.sse_client import chat_body, stream_chat
 
 METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_max": 8},
@@ -35,21 +38,10 @@ METHODS = {
 FLOOR = 0.97  # speculation on / off below this is a loss
 
 
-async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
+async def one(url: str, prompt: str, max_tokens: int) -> dict:
     """One streamed request: output tokens, and per-token gaps between output events."""
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    times, tokens = [], 0
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
-                times.append(time.perf_counter())
+    r = await stream_chat(url, chat_body(prompt, max_tokens, ignore_eos=True))
+    times, tokens = r.event_times, r.tokens
     gaps = [b - a for a, b in zip(times, times[1:])]
     events = max(1, len(times) - 1)
     tpot = (times[-1] - times[0]) / max(1, tokens - 1) if len(times) > 1 else 0.0
@@ -57,12 +49,19 @@ async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int)
     return {"tokens": tokens, "itl": [g * events / max(1, tokens - 1) for g in gaps], "tpot": tpot}
 
 
-async def wave(url: str, prompts: list[str], max_tokens: int) -> dict:
-    """``len(prompts)`` requests at once: total tokens/s, every per-token gap, each request's TPOT."""
-    async with httpx.AsyncClient(timeout=1800, limits=httpx.Limits(max_connections=len(prompts) + 4)) as client:
-        t = time.perf_counter()
-        results = await asyncio.gather(*(one(client, url, p, max_tokens) for p in prompts))
-        wall = time.perf_counter() - t
+async def wave(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+    """``prompts`` through ``concurrency`` workers, each sending its next request as soon as
+    its last one ended (vLLM's ``--max-concurrency``): total tokens/s, every per-token gap,
+    each request's TPOT."""
+    results = []
+
+    async def worker(i: int) -> None:
+        for p in prompts[i::concurrency]:
+            results.append(await one(url, p, max_tokens))
+
+    t = time.perf_counter()
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    wall = time.perf_counter() - t
     return {"tok_s": sum(r["tokens"] for r in results) / wall,
             "itl": [g for r in results for g in r["itl"]], "tpot": [r["tpot"] for r in results]}
 
@@ -77,16 +76,17 @@ def summarize(waves: list[dict]) -> dict:
     }
 
 
-def sweep(urls: dict[str, str], levels: list[int], prompts: list[str], max_tokens: int, rounds: int) -> dict:
+def sweep(urls: dict[str, str], levels: list[int], prompts: list[str], max_tokens: int, rounds: int,
+          per_worker: int) -> dict:
     """Each concurrency, each round: one wave to each server in turn."""
     for url in urls.values():
-        asyncio.run(wave(url, prompts[:2], 8))  # warm-up
+        asyncio.run(wave(url, prompts[:2], 2, 8))  # warm-up
     out = {name: {} for name in urls}
     for c in levels:
         waves = {name: [] for name in urls}
         for _ in range(rounds):
             for name, url in urls.items():
-                waves[name].append(asyncio.run(wave(url, prompts[:c], max_tokens)))
+                waves[name].append(asyncio.run(wave(url, prompts[: c * per_worker], c, max_tokens)))
         for name in urls:
             r = out[name][c] = summarize(waves[name])
             print(f"[{name}] c={c}: {r['tok_s']:.1f} tok/s, ITL p50 {r['itl_p50_ms']:.0f} ms, "
@@ -94,7 +94,7 @@ def sweep(urls: dict[str, str], levels: list[int], prompts: list[str], max_token
     return out
 
 
-def report(results: dict, levels: list[int], command: str, max_tokens: int) -> None:
+def report(results: dict, levels: list[int], command: str, max_tokens: int, per_worker: int) -> None:
     header = ["concurrency", "plain tok/s", "plain ITL p50 ms"]
     methods = [m for m in results if m != "plain"]
     for m in methods:
@@ -113,9 +113,12 @@ def report(results: dict, levels: list[int], command: str, max_tokens: int) -> N
     for m in methods:
         verdict = "PASS" if worst[m] >= FLOOR else "FAIL"
         body += f"\n\n{m}: worst ratio to plain (throughput or p50 ITL) {worst[m]:.2f} -> **{verdict}** (floor {FLOOR})"
-    body += (f"\n\nEach concurrency c: c streamed chat requests at once, greedy, {max_tokens} tokens with "
-             "ignore_eos, to every server in turn (all up at once), in rounds; throughput is the median over rounds. ITL: the gap between output events divided by the tokens they carried, p50 over "
-             "all gaps of the wave. Ratios above 1 mean speculation on is better.\n\n![sweep](load_sweep.png)")
+    body += (f"\n\nEach concurrency c: a wave of {per_worker} c streamed chat requests, greedy, {max_tokens} "
+             "tokens with ignore_eos, sent by c workers that each send their next request as soon as their "
+             "last one ended (vLLM's --max-concurrency), to every server in turn (all up at once), in rounds; "
+             "throughput is the median over rounds. ITL: the gap between output events divided by the tokens "
+             "they carried, p50 over all gaps of the wave. Ratios above 1 mean speculation on is better. "
+             "Client: bench.sse_client.\n\n![sweep](load_sweep.png)")
     write_report("load_sweep", "Speculation under load: concurrency sweep against plain decoding", body, command)
     plot(results, levels)
 
@@ -145,19 +148,23 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3, help="waves per server and concurrency, interleaved")
+    ap.add_argument("--requests-per-worker", type=int, default=3,
+                    help="requests each of the c workers sends back to back in a wave")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    prompts = round_robin_chat(max(levels))
+    n = max(levels) * args.requests_per_worker
+    pool = round_robin_chat(n)  # 80 MT-Bench-style prompts: a wave of more repeats them
+    prompts = (pool * -(-n // len(pool)))[:n]
     methods = [m for m in args.methods.split(",") if m]
     configs = {"plain": [], **{m: ["--speculative-config", json.dumps(METHODS[m])] for m in methods}}
     with ExitStack() as stack:
         urls = {name: stack.enter_context(serve(["--max-model-len", "2048", *extra], _log(name)))
                 for name, extra in configs.items()}
-        results = sweep(urls, levels, prompts, args.max_tokens, args.rounds)
+        results = sweep(urls, levels, prompts, args.max_tokens, args.rounds, args.requests_per_worker)
     command = (f"python -m bench.load_sweep --methods {args.methods} --concurrency {args.concurrency} "
-               f"--rounds {args.rounds}")
+               f"--rounds {args.rounds} --requests-per-worker {args.requests_per_worker}")
     report(results, levels, command + (f" --max-tokens {args.max_tokens}" if args.max_tokens != 128 else ""),
-           args.max_tokens)
+           args.max_tokens, args.requests_per_worker)
 
 
 def _log(name: str) -> str:
