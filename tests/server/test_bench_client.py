@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from bench.sse_client import StreamError, chat_body, stream_chat
+from tests.server.conftest import MODEL
 
 
 def test_stream_matches_the_openai_client(server, client):
@@ -12,7 +13,7 @@ def test_stream_matches_the_openai_client(server, client):
     body = chat_body(prompt, 12, ignore_eos=True)
     lean = asyncio.run(stream_chat(server.url, body))
     ref = client.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0,
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0,
         extra_body={"ignore_eos": True},
     )
     assert lean.tokens == ref.usage.completion_tokens == 12
