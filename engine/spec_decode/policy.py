@@ -29,7 +29,10 @@ of a plain step is ``T(n) / n``, and ``g`` drafts add ``T(n + g) - T(n)``::
     V(g) = 1 + (T(n + g) - T(n)) * n / T(n)
 
 so drafting that pays at batch 1 stops paying as the batch grows (the drafts
-granted earlier in a step count in ``T`` for the requests after them).
+granted earlier in a step count in ``T`` for the requests after them). A pass
+that verifies anything also costs a fixed ``F`` beyond its rows (the tracked
+table's ``verify_fixed``); the plan then keeps the step's drafts only if, as a
+whole, ``(n + sum of expected accepted) / (T(R) + F) >= n / T(n)``.
 
 A round emits ``1 + a_1 + ... + a_g`` tokens on average, ``a_i`` being the
 probability that the first ``i`` drafts are all accepted (the survival form of
