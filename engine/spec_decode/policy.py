@@ -58,7 +58,7 @@ randomness), however the random numbers are keyed.
 """
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine import tree, tree_policy
@@ -134,10 +134,16 @@ class StepCosts:
         """``V``: a round with ``drafts`` drafts for one of ``batch`` decoding requests, in
         units of that request's share of a plain step; ``rows``: tokens already in the
         pass (default ``batch``)."""
+        return self.verify_at((drafts,), batch, rows)[0]
+
+    def verify_at(self, drafts: Iterable[int], batch: int, rows: int | None = None) -> list[float]:
+        """``verify`` at each of several draft counts, the terms that do not depend on the
+        count computed once."""
         if self.per_request:
-            return self(1 + drafts)
+            return [self(1 + g) for g in drafts]
         rows = batch if rows is None else rows
-        return 1.0 + (self(rows + drafts) - self(rows)) * batch / self(batch)
+        t_rows, t_batch = self(rows), self(batch)
+        return [1.0 + (self(rows + g) - t_rows) * batch / t_batch for g in drafts]
 
 
 @dataclass
@@ -244,15 +250,12 @@ class SpecPolicy:
     def _best_chain(self, rates: list[float], k: int, batch: int, rows: int, alone: bool) -> tuple[int, float]:
         """``(g, gain)``: the chain length in 1..k with the most tokens per step of cost,
         ``expected_tokens(rates, g) / (V(g) + g c)`` (the shortest on ties), in one pass over g."""
-        costs = self.step_costs
-        b, r = (1, 1) if alone or costs.per_request else (batch, rows)
-        t_rows, t_batch = costs(r), costs(b)  # verify_cost's terms that do not depend on g
+        v = self.step_costs.verify_at(range(k + 1), *((1, 1) if alone else (batch, rows)))
         best, accepted, survive = (0, 0.0), 0.0, 1.0
         for g in range(1, k + 1):
             survive *= rates[g - 1]
             accepted += survive
-            v = costs(1 + g) if costs.per_request else 1.0 + (costs(r + g) - t_rows) * b / t_batch
-            gain = (1 + accepted) / (v + g * self.c)
+            gain = (1 + accepted) / (v[g] + g * self.c)
             if gain > best[1]:
                 best = (g, gain)
         return best
