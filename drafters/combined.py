@@ -15,6 +15,7 @@ is caught up when its turn comes.
 
 from dataclasses import dataclass
 
+from engine import tree
 from engine.spec_decode.drafter import Draft, Drafter, DraftSlot
 from drafters.eagle import EagleDrafter, eagle_factory
 from drafters.ngram import NgramDrafter
@@ -49,7 +50,7 @@ class CombinedDrafter(Drafter):
         self.feature_layers = eagle.feature_layers
         self.records: dict[int, _Record] = {}
         self.choice: dict[str, int] = {}  # request id -> class chosen at scheduling
-        self.proposed: dict[str, tuple[int, int, list[int]]] = {}  # id -> (class, num_tokens, drafts)
+        self.proposed: dict[str, tuple[int, int, Draft]] = {}  # id -> (class, num_tokens, drafts)
 
     def context_class(self, request) -> int | None:
         m = self.ngram.context_class(request)
@@ -77,7 +78,7 @@ class CombinedDrafter(Drafter):
         for s in slots:
             rid = s.request.request_id
             if rid in drafts:
-                self.proposed[rid] = (self.choice[rid], s.request.num_tokens, drafts[rid].token_ids)
+                self.proposed[rid] = (self.choice[rid], s.request.num_tokens, drafts[rid])
         return drafts
 
     def add_features(self, features) -> None:
@@ -86,10 +87,9 @@ class CombinedDrafter(Drafter):
     def commit(self, request) -> None:
         done = self.proposed.pop(request.request_id, None)
         if done is not None:
-            key, start, drafts = done
-            new = request.token_ids[start : start + len(drafts)]
-            accepted = next((i for i, (a, b) in enumerate(zip(drafts, new)) if a != b), len(new))
-            self.records.setdefault(key, _Record()).update(len(drafts), accepted)
+            key, start, draft = done
+            accepted = _accepted(draft, request.token_ids[start:])
+            self.records.setdefault(key, _Record()).update(len(draft.token_ids), accepted)
         self.ngram.commit(request)
         self.eagle.commit(request)
 
@@ -98,6 +98,18 @@ class CombinedDrafter(Drafter):
             table.pop(request_id, None)
         self.ngram.free(request_id)
         self.eagle.free(request_id)
+
+
+def _accepted(draft: Draft, new: list[int]) -> int:
+    """Drafts of ``draft`` (a chain or a tree) that the committed ``new`` tokens follow."""
+    parents = draft.parents or tree.chain(len(draft.token_ids))
+    node, depth = -1, 0
+    for token in new:
+        node = next((i for i, p in enumerate(parents) if p == node and draft.token_ids[i] == token), None)
+        if node is None:
+            break
+        depth += 1
+    return depth
 
 
 def _build(kind: str):

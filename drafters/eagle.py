@@ -15,6 +15,13 @@ has not computed. Cache after drafting: the known pairs, then ``k - 1`` guessed
 ones. ``commit`` rolls the guessed ones back (``KVCacheManager.truncate``, as
 ``draft_model`` does): the target's real features replace them next round.
 
+A token tree (``drafters.tree_drafting``) grows one depth per head pass: depth 0
+feeds the pending pairs as above, and each later depth feeds the whole tree so far
+(tree attention over the known pairs and each node's ancestors, node at head
+position ``num_cached + its depth``), each node paired with its parent's output
+(the last known pair's for the first level). Every guessed pair is rolled back
+after the round, as for a chain, so the accepted branch needs no KV move.
+
 A request whose features start after a gap (its prefix came from the prefix cache,
 or the drafter dropped it after a failure) starts the head's sequence afresh there:
 the head then sees less context, which costs acceptance, never exactness. Head
@@ -29,6 +36,8 @@ import torch
 from engine.spec_decode.drafter import Draft, DraftSlot
 from drafters.draft_model import SamplingDrafter
 from drafters.eagle_head import EagleHead, load_eagle_head
+from drafters.tree_drafting import GrowingTree, grow_trees
+from engine import tree
 from engine.attention import SeqSpec, build_attention_metadata
 from kvcache import KVCacheManager
 from kvcache.tensors import KVSpec, PagedKV
@@ -57,6 +66,7 @@ class EagleDrafter(SamplingDrafter):
         self.paged = PagedKV(KVSpec(1, cfg.num_key_value_heads, head.head_dim, block_size, dtype), num_blocks, device)
         self.cost_per_token = cost_per_token
         self.states: dict[str, _HeadState] = {}
+        self.outputs: dict[str, list[torch.Tensor]] = {}  # a growing tree's head outputs [H]: the root's, then per node
 
     def add_features(self, features: dict[str, tuple[int, torch.Tensor]]) -> None:
         for rid, (start, feats) in features.items():
@@ -75,6 +85,50 @@ class EagleDrafter(SamplingDrafter):
     @torch.inference_mode()
     def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
         live = [s for s in slots if s.num_tokens > 0 and self._has_pending(s.request.request_id)]
+        trees = [s for s in live if s.shape is not None and self._reserve_tree(s)]
+        out = self._chains([s for s in live if s.shape is None])
+        if trees:
+            self.outputs.clear()
+            out.update(grow_trees(trees, self._tree_forward, self._distributions, self._generator, self.device))
+        return out
+
+    def _reserve_tree(self, slot: DraftSlot) -> bool:
+        """KV for the pending pairs and every node the slot's tree may have."""
+        st = self.states[slot.request.request_id]
+        pending = sum(len(f) for f in st.pending)
+        nodes = min(len(slot.shape), slot.num_tokens)
+        return self.kv.allocate_slots(slot.request.request_id, st.num_cached + pending + nodes)
+
+    def _tree_forward(self, trees: list[GrowingTree], depth: int) -> list[torch.Tensor]:
+        """Draft logits after each node of ``depth - 1`` (the root at 0) of every tree: one
+        head pass over the pending pairs (depth 0) or over the tree so far."""
+        live = [g.slot for g in trees]
+        if depth == 0:
+            feeds = self._feeds(live, None, None)
+            last = self._forward(live, feeds)  # [n, H]
+            self._ingested(live, feeds)
+            for g, row in zip(trees, last):
+                self.outputs[g.slot.request.request_id] = [row]
+            return list(self.head.draft_logits(last).split(1))
+        feeds, specs = [], []
+        for g in trees:
+            rid, parents = g.slot.request.request_id, tuple(g.parents)
+            outs = self.outputs[rid]  # outs[0]: the root's; outs[1 + i]: node i's
+            hidden = torch.stack([outs[p + 1] for p in parents])  # [nodes, H]: each node's parent's output
+            pos = self.states[rid].num_cached
+            feeds.append((list(g.token_ids), hidden, pos))
+            specs.append(SeqSpec(pos, len(parents), self.kv.block_table(rid), None if tree.is_chain(parents) else parents))
+        out = self._forward_all(live, feeds, specs)  # [sum nodes, H]
+        logits, start = [], 0
+        for g, (ids, _, _) in zip(trees, feeds):
+            rows = out[start : start + len(ids)]
+            self.outputs[g.slot.request.request_id][1:] = list(rows)
+            logits.append(self.head.draft_logits(rows[g.level(depth)]))
+            start += len(ids)
+        return logits
+
+    def _chains(self, slots: list[DraftSlot]) -> dict[str, Draft]:
+        live = slots
         drafts: dict[str, list[int]] = {s.request.request_id: [] for s in live}
         probs: dict[str, list[torch.Tensor]] = {s.request.request_id: [] for s in live}
         hidden = None  # [n, H] the head's last output per live request
@@ -129,12 +183,20 @@ class EagleDrafter(SamplingDrafter):
     def _forward(self, live: list[DraftSlot], feeds) -> torch.Tensor:
         """One batched head pass; the output [n, H] at each request's last fed pair."""
         specs = [SeqSpec(pos, len(ids), self.kv.block_table(s.request.request_id)) for s, (ids, _, pos) in zip(live, feeds)]
+        out = self._forward_all(live, feeds, specs)  # [T, H]
+        return out[torch.from_numpy(np.cumsum([len(f[0]) for f in feeds]) - 1).to(self.device)]
+
+    def _forward_all(self, live: list[DraftSlot], feeds, specs: list[SeqSpec]) -> torch.Tensor:
+        """One batched head pass over ``feeds`` laid out as ``specs``; the output [T, H] of
+        every fed pair (a tree's nodes at head position ``pos + depth``)."""
         meta = build_attention_metadata(specs, self.block_size, self.device)
         t = lambda a: torch.tensor(a, dtype=torch.long, device=self.device)  # noqa: E731
         ids = t([tok for f in feeds for tok in f[0]])
-        positions = t([p for f in feeds for p in range(f[2], f[2] + len(f[0]))])
-        out = self.head(ids, torch.cat([f[1] for f in feeds]), positions, meta, self.paged)  # [T, H]
-        return out[t(np.cumsum([len(f[0]) for f in feeds]) - 1)]
+        positions = []
+        for (_, _, pos), spec in zip(feeds, specs):
+            offsets = tree.depths(spec.parents) if spec.parents else np.arange(spec.query_len)
+            positions.extend((pos + offsets).tolist())
+        return self.head(ids, torch.cat([f[1] for f in feeds]), t(positions), meta, self.paged)  # [T, H]
 
     def commit(self, request) -> None:
         st = self.states.get(request.request_id)

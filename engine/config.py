@@ -123,8 +123,6 @@ class SpeculativeConfig:
             if self.method == "ngram":
                 raise ValueError('"speculative_token_tree" is for model drafters; ngram grows trees from "tree_width"')
             self.static_tree()  # validates
-        if self.uses_trees and self.method and "eagle" in self.method:
-            raise ValueError("token trees are not built for eagle heads yet: use chains (tree_width 1)")
 
     @property
     def uses_trees(self) -> bool:

@@ -247,7 +247,7 @@ class ModelRunner:
         masked = self._masked(logits, [(requests[i].request_id, p) for i, p in zip(row_req, row_pos)])
         argmax = penalized_logits(masked, batch).argmax(-1)  # [R]
         greedy = torch.tensor([r.params.greedy for r in requests], device=self.device)
-        emit_rows = None  # chains: row i emits output token i
+        emit_rows = paths = None  # chains: row i emits output token i
         if batch.all_greedy:
             probs = uniforms = noise = None
         else:
@@ -268,6 +268,8 @@ class ModelRunner:
             if k[i]:
                 result.num_drafted[r.request_id] = k[i]
                 result.num_accepted[r.request_id] = j
+            if paths is not None and paths[i] and drafts[i].parents is not None:
+                result.accepted_nodes[r.request_id] = paths[i]
         if emit_rows is None:
             emit_rows = [list(range(j + 1)) for j in accepted.tolist()]
         if batch.num_logprobs is not None:
@@ -353,12 +355,16 @@ def _fed_tree(s: ScheduledRequest, draft: Draft | None) -> tuple[int, ...] | Non
 
 def kept_features(features: torch.Tensor, sched, chains, result: RunnerOutput) -> dict[str, tuple[int, torch.Tensor]]:
     """The drafter's features [T, F] of a step, cut to what each request keeps: its
-    scheduled tokens and, when it sampled, its accepted drafts (request id ->
-    (position of the first, features [n, F]))."""
+    scheduled tokens and, when it sampled, its accepted drafts (a token tree's accepted
+    branch, in order) (request id -> (position of the first, features [n, F]))."""
     out, start = {}, 0
     for s, chain in zip(sched, chains):
-        fed = len(chain)
-        kept = len(s.token_ids) + result.num_accepted.get(s.request_id, 0)
-        out[s.request_id] = (s.context_len, features[start : start + kept].clone())
+        fed, scheduled = len(chain), len(s.token_ids)
+        nodes = result.accepted_nodes.get(s.request_id)
+        if nodes is None:
+            kept = features[start : start + scheduled + result.num_accepted.get(s.request_id, 0)]
+        else:
+            kept = features[[*range(start, start + scheduled), *(start + scheduled + n for n in nodes)]]
+        out[s.request_id] = (s.context_len, kept.clone())
         start += fed
     return out

@@ -88,12 +88,14 @@ class RunnerOutput:
     num_accepted: dict[str, int] = field(default_factory=dict)
     # request id -> (first position, features [n, F]) of the kept tokens, for a drafter that reads them
     features: dict[str, tuple] = field(default_factory=dict)
+    # request id -> the accepted branch's node indices, for a token tree whose first node was accepted
+    accepted_nodes: dict[str, list[int]] = field(default_factory=dict)
 
     def merge(self, other: "RunnerOutput") -> None:
         for mine, theirs in ((self.sampled, other.sampled), (self.logprobs, other.logprobs),
                              (self.prompt_logprobs, other.prompt_logprobs),
                              (self.num_drafted, other.num_drafted), (self.num_accepted, other.num_accepted),
-                             (self.features, other.features)):
+                             (self.features, other.features), (self.accepted_nodes, other.accepted_nodes)):
             mine.update(theirs)
 
 

@@ -17,11 +17,20 @@ and a round emits ``1 + sum`` of that over the nodes on average. A template of
 ``N`` nodes costs ``V(N) + N * c`` (``V`` from ``T(R)``, as for a chain of ``N``
 drafts); the policy keeps whichever of the chains and the candidate trees gives
 the most tokens per cost, so a tree that does not pay is never used.
+
+Without a static tree the candidates are grown (``grown``, as EAGLE-2 and Sequoia
+shape theirs): the nodes are taken best first by that probability, a node's first
+child and next sibling becoming candidates once it is taken, so every ``N`` first
+nodes form a tree, the one of ``N`` nodes with the most expected accepted drafts
+(a node never beats its parent, nor its elder sibling unless a younger rank's
+record is better). The rank-0 chain is among them: a tree is its best chain plus
+the side branches that pay, so it is never shallower than that chain where its
+siblings are worth nothing.
 """
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import combinations_with_replacement
 
 from engine import tree
 
@@ -60,19 +69,44 @@ def expected_accepted(c: Candidate, rank0: list[float], siblings: list[list[floa
     return sum(on_path)
 
 
-def candidates(max_depth: int, width: int, max_nodes: int, static: tuple[int, ...] | None) -> list[Candidate]:
-    """The tree templates the policy weighs against chains: the static tree if one is
-    configured, else the product trees of non-increasing widths (<= ``width``, at least
-    one > 1) of depth <= ``max_depth`` with at most ``max_nodes`` nodes."""
-    if static is not None:
-        return [Candidate.of(static)]
-    out = []
-    for depth in range(1, max_depth + 1):
-        for ws in combinations_with_replacement(range(width, 0, -1), depth):  # non-increasing
-            shape = tree.product_tree(list(ws), max_nodes + 1)
-            if ws[0] > 1 and len(shape) <= max_nodes:
-                out.append(Candidate.of(shape))
-    return out
+def grown(
+    rank0: list[float], siblings: list[list[float]], max_depth: int, width: int, max_nodes: int
+) -> tuple[tuple[int, ...], list[float]]:
+    """Up to ``max_nodes`` nodes of depth < ``max_depth`` and rank < ``width``, best first:
+    ``(template, P(node on the accepted path) per node)``; each prefix is a tree."""
+    parents: list[int] = []
+    values: list[float] = []
+    # (-value, order, parent, depth, rank, P(parent on path) * P(elder siblings rejected))
+    frontier = [(-rate(rank0, siblings, 0, 0), 0, -1, 0, 0, 1.0)]
+    pushed = 1
+    while frontier and len(parents) < max_nodes:
+        neg, _, parent, d, r, base = heapq.heappop(frontier)
+        node, value = len(parents), -neg
+        parents.append(parent)
+        values.append(value)
+        if d + 1 < max_depth:
+            heapq.heappush(frontier, (-value * rate(rank0, siblings, d + 1, 0), pushed, node, d + 1, 0, value))
+            pushed += 1
+        if r + 1 < width:
+            rest = base * (1 - rate(rank0, siblings, d, r))
+            heapq.heappush(frontier, (-rest * rate(rank0, siblings, d, r + 1), pushed, parent, d, r + 1, rest))
+            pushed += 1
+    return tuple(parents), values
+
+
+def best_grown(
+    rank0: list[float], siblings: list[list[float]], max_depth: int, width: int, cost: list[float]
+) -> tuple[tuple[int, ...], float]:
+    """``(template, tokens per cost)`` of the best first ``N`` nodes of ``grown``, N from 1
+    to ``len(cost) - 1``; ``cost[N]``: a round of N nodes, drafting included."""
+    template, values = grown(rank0, siblings, max_depth, width, len(cost) - 1)
+    best_n, top, accepted = 0, 0.0, 0.0
+    for n, v in enumerate(values, start=1):
+        accepted += v
+        gain = (1 + accepted) / cost[n]
+        if gain > top + 1e-12:
+            best_n, top = n, gain
+    return template[:best_n], top
 
 
 def best(

@@ -238,7 +238,7 @@ class SpecPolicy:
         self.pooled: dict[int, ClassState] = {}  # class -> rates over all requests
         k, w, nodes = config.num_speculative_tokens, config.tree_width, config.max_tree_nodes
         static = config.static_tree()
-        self.trees = tree_policy.candidates(k, w, nodes, static) if w > 1 or static else []
+        self.static = [tree_policy.Candidate.of(static)] if static else []
         # Without the adaptive policy: the static tree, else the widest product tree in the budget.
         self.fixed_tree = static or (tree.product_tree([w] * k, nodes) if w > 1 else None)
 
@@ -259,6 +259,16 @@ class SpecPolicy:
             if gain > best[1]:
                 best = (g, gain)
         return best
+
+    def _best_tree(self, rates, siblings, batch: int, rows: int, alone: bool) -> tuple[tuple[int, ...], float]:
+        """``(template, gain)``: the static tree, else the best grown one (``tree_policy``)."""
+        nodes = len(self.static[0].template) if self.static else self.config.max_tree_nodes
+        v = self.step_costs.verify_at(range(nodes + 1), *((1, 1) if alone else (batch, rows)))
+        cost = [v[n] + n * self.c for n in range(nodes + 1)]
+        if self.static:
+            return tree_policy.best(self.static, rates, siblings, cost.__getitem__)
+        k, w = self.config.num_speculative_tokens, self.config.tree_width
+        return tree_policy.best_grown(rates, siblings, k, w, cost)
 
     def plan(self, candidates: Sequence[Candidate], num_running: int) -> StepPlan:
         """Draft slots for each candidate (0: plain decoding; a chain's length or a tree's
@@ -312,10 +322,9 @@ class SpecPolicy:
         rates = cs.estimate()
         gamma, gain = self._best_chain(rates, k, batch, rows, alone)
         template = None
-        if c.trees and self.trees:
-            cost = lambda n: self.verify_cost(n, batch, rows, alone) + n * self.c  # noqa: E731
-            shape, tree_gain = tree_policy.best(self.trees, rates, cs.siblings, cost)
-            if tree_gain > gain:
+        if c.trees and (self.static or self.config.tree_width > 1):
+            shape, tree_gain = self._best_tree(rates, cs.siblings, batch, rows, alone)
+            if tree_gain > gain and not tree.is_chain(shape):
                 template, gain, gamma = shape, tree_gain, len(shape)
         if gain < 1.0:
             if not cs.probing:

@@ -93,15 +93,16 @@ def p_value(counts: np.ndarray, expected_probs: np.ndarray) -> float:
     return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
-def make_engine(target, drafter, k: int = 2, adaptive: bool = False, verify_cost: float = 0.1) -> LLMEngine:
-    """``drafter`` None: the target's first layer drafts (early_exit)."""
+def make_engine(target, drafter, k: int = 2, adaptive: bool = False, verify_cost: float = 0.1, **tree) -> LLMEngine:
+    """``drafter`` None: the target's first layer drafts (early_exit). ``tree``: token-tree
+    keys of ``SpeculativeConfig`` (``tree_width``, ``max_tree_nodes``)."""
     method = "test" if drafter is not None else "early_exit"
     config = EngineConfig(
         ModelConfig(device="cpu", dtype="float32", max_model_len=64),
         CacheConfig(block_size=16, num_blocks=3000),
         SchedulerConfig(max_num_seqs=2048, max_num_batched_tokens=16384),
         SpeculativeConfig(
-            method=method, num_speculative_tokens=k, num_layers=1, adaptive=adaptive, verify_cost=verify_cost
+            method=method, num_speculative_tokens=k, num_layers=1, adaptive=adaptive, verify_cost=verify_cost, **tree
         ),
     )
     return LLMEngine(config, model=target, tokenizer=None, drafter=drafter)

@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig
 
 from drafters.eagle_head import load_eagle_head
+from engine import tree
 from engine.attention import SeqSpec, build_attention_metadata
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
@@ -35,8 +36,9 @@ def small_target(vocab_size: int = 16, layers: int = 6, seed: int = 0) -> LlamaF
     return model.eval()
 
 
-def eagle_engine(model, method=None, head=None, k: int = 3) -> LLMEngine:
-    spec = SpeculativeConfig(method=method, model=str(head), num_speculative_tokens=k, adaptive=False, verify_cost=0.05)
+def eagle_engine(model, method=None, head=None, k: int = 3, **tree) -> LLMEngine:
+    spec = SpeculativeConfig(method=method, model=str(head), num_speculative_tokens=k, adaptive=False, verify_cost=0.05,
+                             **tree)
     config = EngineConfig(ModelConfig(max_model_len=128, dtype="float32", device="cpu"), CacheConfig(num_blocks=64),
                           speculative=spec if method else SpeculativeConfig())
     return LLMEngine(config, model=model, tokenizer=None)
@@ -52,11 +54,15 @@ def run(engine, prompts, max_tokens=30) -> list[list[int]]:
 KINDS = [("eagle", {}), ("eagle3", {"draft_vocab": 12})]
 
 
+TREE = {"tree_width": 3, "max_tree_nodes": 8}
+
+
+@pytest.mark.parametrize("tree", [{}, TREE], ids=["chain", "tree"])
 @pytest.mark.parametrize("kind,kw", KINDS, ids=["eagle", "eagle3"])
-def test_greedy_output_is_plain_decoding(tmp_path, kind, kw):
+def test_greedy_output_is_plain_decoding(tmp_path, kind, kw, tree):
     model = small_target()
     head = write_random_head(model, kind, tmp_path / kind, **kw)
-    engine = eagle_engine(model, kind, head)
+    engine = eagle_engine(model, kind, head, **tree)
     drafted = []
     engine.stat_loggers.append(lambda s: drafted.append((s.spec.num_draft_tokens, s.spec.num_accepted_tokens)))
     assert run(engine, PROMPTS) == run(eagle_engine(model), PROMPTS)
@@ -64,21 +70,30 @@ def test_greedy_output_is_plain_decoding(tmp_path, kind, kw):
 
 
 @torch.inference_mode()
-def fresh_drafts(model, head, context: list[int], k: int) -> list[int]:
-    """The head's greedy chain after ``context``, computed from scratch: the target's
-    features of a fresh prefill, every pair fed at once, then k - 1 guessed pairs."""
+def fresh_logits(model, head, context: list[int], branch: list[int]) -> torch.Tensor:
+    """The head's draft logits [vocab] after ``context`` and the guessed ``branch``, computed
+    from scratch: the target's features of a fresh prefill, every pair fed at once, then one
+    guessed pair per branch token."""
     cfg = model.config
     kv = PagedKV(KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), 16, torch.float32), 16, "cpu")
     n = len(context) - 1  # pairs (f_p, t_{p+1}) for p < n
     meta = build_attention_metadata([SeqSpec(0, n, list(range(16)))], 16)
     _, feats = model(torch.tensor(context[:-1]), torch.arange(n), meta, kv, capture=head.feature_layers)
     hkv = PagedKV(KVSpec(1, head.num_kv_heads, head.head_dim, 16, torch.float32), 16, "cpu")
-    ids, hidden, pos, drafts = torch.tensor(context[1:]), head.fuse(feats), torch.arange(n), []
-    for _ in range(k):
+    ids, hidden, pos = torch.tensor(context[1:]), head.fuse(feats), torch.arange(n)
+    for token in [None, *branch]:
+        if token is not None:
+            ids, hidden, pos = torch.tensor([token]), out, pos[-1:] + 1
         meta = build_attention_metadata([SeqSpec(int(pos[0]), len(ids), list(range(16)))], 16)
         out = head(ids, hidden, pos, meta, hkv)[-1:]
-        drafts.append(int(head.draft_logits(out).argmax(-1)))
-        ids, hidden, pos = torch.tensor(drafts[-1:]), out, pos[-1:] + 1
+    return head.draft_logits(out)[0]
+
+
+def fresh_drafts(model, head, context: list[int], k: int) -> list[int]:
+    """The head's greedy chain of ``k`` drafts after ``context``, from scratch."""
+    drafts: list[int] = []
+    for _ in range(k):
+        drafts.append(int(fresh_logits(model, head, context, drafts).argmax()))
     return drafts
 
 
@@ -102,6 +117,35 @@ def test_drafts_are_the_heads_predictions_from_the_committed_context(tmp_path, k
     head = engine.drafter.head
     for context, drafts in rounds:
         assert drafts == fresh_drafts(model, head, context, len(drafts))
+
+
+@pytest.mark.parametrize("kind,kw", KINDS, ids=["eagle", "eagle3"])
+def test_tree_drafts_are_the_heads_top_tokens_after_each_branch(tmp_path, kind, kw):
+    """Every node's children in a greedy tree round are the head's best tokens after that
+    node's branch, as a from-scratch computation gives them: each node fed with its own
+    parent's output, at its depth, attending to its ancestors only."""
+    model = small_target()
+    engine = eagle_engine(model, kind, write_random_head(model, kind, tmp_path / kind, **kw), **TREE)
+    rounds, propose = [], engine.drafter.propose
+
+    def record(slots):
+        drafts = propose(slots)
+        rounds.extend((list(s.request.token_ids), drafts[s.request.request_id]) for s in slots
+                      if s.request.request_id in drafts)
+        return drafts
+
+    engine.drafter.propose = record
+    run(engine, PROMPTS[:2], max_tokens=16)
+    trees = [(c, d) for c, d in rounds if d.parents is not None]
+    assert len(trees) >= 5
+    head = engine.drafter.head
+    for context, draft in trees:
+        for node in [-1, *range(len(draft.parents))]:
+            kids = [draft.token_ids[i] for i, p in enumerate(draft.parents) if p == node]
+            if kids:
+                branch = [draft.token_ids[i] for i in tree.path(draft.parents, node)] if node >= 0 else []
+                logits = fresh_logits(model, head, context, branch)
+                assert kids == logits.topk(len(kids)).indices.tolist(), (node, logits.topk(4), len(context))
 
 
 def edit_config(path, **changes):
@@ -141,9 +185,11 @@ def test_a_reduced_vocabulary_drafts_only_its_tokens(tmp_path):
     assert allowed.sum() == 5
 
 
-def test_the_combination_is_exact_and_uses_both_drafters(tmp_path):
+@pytest.mark.parametrize("tree", [{}, TREE], ids=["chain", "tree"])
+def test_the_combination_is_exact_and_uses_both_drafters(tmp_path, tree):
     model = small_target()
-    engine = eagle_engine(model, "ngram+eagle3", write_random_head(model, "eagle3", tmp_path / "h", draft_vocab=12))
+    head = write_random_head(model, "eagle3", tmp_path / "h", draft_vocab=12)
+    engine = eagle_engine(model, "ngram+eagle3", head, **tree)
     used, propose = {"ngram": 0, "eagle": 0}, {n: getattr(engine.drafter, n).propose for n in ("ngram", "eagle")}
     for name in used:
         def count(slots, name=name):
@@ -153,6 +199,19 @@ def test_the_combination_is_exact_and_uses_both_drafters(tmp_path):
     prompts = PROMPTS + [[5, 6, 7, 8] * 6]  # repetitive: prompt lookup matches
     assert run(engine, prompts) == run(eagle_engine(model), prompts)
     assert used["ngram"] > 0 and used["eagle"] > 0
+
+
+def test_the_combination_counts_a_trees_accepted_branch():
+    from drafters.combined import _accepted
+    from engine.spec_decode.drafter import Draft
+
+    #   5 - 6      the target went 7, 8, then 3: the second guess and its child
+    #   7 - 8 - 9
+    draft = Draft([5, 7, 6, 8, 9], None, (-1, -1, 0, 1, 3))
+    assert _accepted(draft, [7, 8, 3]) == 2
+    assert _accepted(draft, [7, 8, 9, 1]) == 3
+    assert _accepted(draft, [6]) == 0
+    assert _accepted(Draft([1, 2, 3]), [1, 2, 4]) == 2
 
 
 def test_the_combination_picks_by_past_records(tmp_path):

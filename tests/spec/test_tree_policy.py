@@ -6,7 +6,8 @@ import pytest
 
 from engine.config import SpeculativeConfig
 from engine.spec_decode.policy import Candidate as Request, SpecPolicy, StepCosts
-from engine.tree_policy import Candidate, expected_accepted, update
+from engine import tree
+from engine.tree_policy import Candidate, best_grown, expected_accepted, grown, update
 
 
 def test_expected_accepted_of_a_small_tree():
@@ -22,6 +23,51 @@ def test_update_moves_each_tried_rank_towards_its_outcome():
     tested = update(rank0, siblings, [(2, 1), (2, None)], weight=0.5)
     assert tested == 2
     assert rank0 == [0.25, 0.25] and siblings == [[0.625], [0.125]]
+
+
+def _closed_subtrees(full: tuple[int, ...], size: int):
+    """Every set of ``size`` nodes of ``full`` that holds each node's parent and elder
+    siblings, as a parent list (in ``full``'s order)."""
+    ranks = tree.ranks(full)
+    elder = {i: next(j for j in range(i - 1, -1, -1) if full[j] == full[i]) for i in range(len(full)) if ranks[i]}
+    for mask in range(1 << len(full)):
+        keep = [i for i in range(len(full)) if mask >> i & 1]
+        if len(keep) != size:
+            continue
+        kept = set(keep)
+        if all((full[i] < 0 or full[i] in kept) and (i not in elder or elder[i] in kept) for i in keep):
+            new = {old: n for n, old in enumerate(keep)}
+            yield tuple(new[full[i]] if full[i] >= 0 else -1 for i in keep)
+
+
+@pytest.mark.parametrize("rank0, siblings", [
+    ([0.7, 0.5, 0.3], [[0.4], [0.2], [0.1]]),
+    ([0.3, 0.9, 0.9], [[0.6], [0.05], [0.5]]),
+    ([0.5, 0.5, 0.5], []),  # siblings from the prior
+])
+def test_grown_trees_are_the_best_trees_of_their_size(rank0, siblings):
+    """Against brute force over every tree of width 2 and depth 3 (sibling rates below the
+    elder's, so no node is worth more than one taken before it)."""
+    template, values = grown(rank0, siblings, max_depth=3, width=2, max_nodes=6)
+    full = tree.product_tree([2, 2, 2], 14)
+    for n in range(1, 7):
+        best = max(expected_accepted(Candidate.of(t), rank0, siblings) for t in _closed_subtrees(full, n))
+        assert sum(values[:n]) == pytest.approx(best)
+        assert expected_accepted(Candidate.of(template[:n]), rank0, siblings) == pytest.approx(best)
+
+
+def test_a_grown_tree_holds_the_best_chain_and_adds_only_siblings_that_pay():
+    rank0 = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4]
+    # near-free nodes: the whole budget is worth spending
+    template, _ = best_grown(rank0, [[0.0] * 2] * 6, 6, 3, [1.0 + 0.001 * n for n in range(9)])
+    assert template == tree.chain(6)  # worthless siblings: the chain, to the depth limit
+    template, _ = best_grown(rank0, [[0.5, 0.3]] + [[0.0] * 2] * 5, 6, 3, [1.0 + 0.001 * n for n in range(9)])
+    # the chain, then the second guess for the first token (0.1 * 0.5) and its own continuation
+    # (0.05 * 0.8), worth more than a third guess (0.1 * 0.5 * 0.3)
+    assert template == tree.chain(6) + (-1, 6)
+    # costly nodes: stop where one more node costs more than it brings
+    template, gain = best_grown(rank0, [[0.0] * 2] * 6, 6, 3, [1.0 + 0.8 * n for n in range(9)])
+    assert template == tree.chain(1) and gain == pytest.approx(1.9 / 1.8)  # two: 2.62 / 2.6
 
 
 def request() -> Request:
