@@ -42,6 +42,7 @@ METHODS = {
     # Token trees: the adaptive policy picks each round's shape (or a chain) within these bounds.
     "ngram-tree": {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_max": 8, "tree_width": 3,
                    "max_tree_nodes": 24},
+    "eagle3-tree": {"method": "eagle3", "num_speculative_tokens": 4, "tree_width": 4, "max_tree_nodes": 16},
     "early_exit-tree": {"method": "early_exit", "num_speculative_tokens": 3, "num_layers": 8, "tree_width": 2,
                         "max_tree_nodes": 8},
 }

@@ -14,8 +14,8 @@ rank ``r`` is then on the accepted path with probability::
     P(parent on it) * (1 - a(d, 0)) * ... * (1 - a(d, r - 1)) * a(d, r)
 
 and a round emits ``1 + sum`` of that over the nodes on average. A template of
-``N`` nodes costs ``V(N) + N * c`` (``V`` from ``T(R)``, as for a chain of ``N``
-drafts); the policy keeps whichever of the chains and the candidate trees gives
+``N`` nodes and depth ``D`` costs ``V(N) + D * c`` (``V`` from ``T(R)``, as for a
+chain of ``N`` drafts; ``c`` per drafting pass, one per depth); the policy keeps whichever of the chains and the candidate trees gives
 the most tokens per cost, so a tree that does not pay is never used.
 
 Without a static tree the candidates are grown (``grown``, as EAGLE-2 and Sequoia
@@ -95,18 +95,26 @@ def grown(
 
 
 def best_grown(
-    rank0: list[float], siblings: list[list[float]], max_depth: int, width: int, cost: list[float]
+    rank0: list[float], siblings: list[list[float]], max_depth: int, width: int, verify: list[float], draft: float
 ) -> tuple[tuple[int, ...], float]:
     """``(template, tokens per cost)`` of the best first ``N`` nodes of ``grown``, N from 1
-    to ``len(cost) - 1``; ``cost[N]``: a round of N nodes, drafting included."""
-    template, values = grown(rank0, siblings, max_depth, width, len(cost) - 1)
-    best_n, top, accepted = 0, 0.0, 0.0
-    for n, v in enumerate(values, start=1):
-        accepted += v
-        gain = (1 + accepted) / cost[n]
-        if gain > top + 1e-12:
-            best_n, top = n, gain
-    return template[:best_n], top
+    to ``len(verify) - 1``. A round of N nodes and depth D costs ``verify[N] + D * draft``:
+    a model drafter runs one batched pass per depth (``drafters.tree_drafting``), and at
+    the few rows of a tree a pass costs about the same whatever its width. With a drafting
+    cost, trees are grown under each depth limit up to ``max_depth`` (a shallower, wider
+    tree may pay more than the deep branch that the best-first order reaches first)."""
+    top: tuple[tuple[int, ...], float] = ((), 0.0)
+    for limit in range(1, max_depth + 1) if draft > 0 else (max_depth,):
+        template, values = grown(rank0, siblings, limit, width, len(verify) - 1)
+        depths = tree.depths(template)
+        accepted, depth = 0.0, 0
+        for n, v in enumerate(values, start=1):
+            accepted += v
+            depth = max(depth, int(depths[n - 1]) + 1)
+            gain = (1 + accepted) / (verify[n] + depth * draft)
+            if gain > top[1] + 1e-12:
+                top = (template[:n], gain)
+    return top
 
 
 def best(

@@ -264,11 +264,11 @@ class SpecPolicy:
         """``(template, gain)``: the static tree, else the best grown one (``tree_policy``)."""
         nodes = len(self.static[0].template) if self.static else self.config.max_tree_nodes
         v = self.step_costs.verify_at(range(nodes + 1), *((1, 1) if alone else (batch, rows)))
-        cost = [v[n] + n * self.c for n in range(nodes + 1)]
         if self.static:
-            return tree_policy.best(self.static, rates, siblings, cost.__getitem__)
+            depth = max(self.static[0].depths) + 1
+            return tree_policy.best(self.static, rates, siblings, lambda n: v[n] + depth * self.c)
         k, w = self.config.num_speculative_tokens, self.config.tree_width
-        return tree_policy.best_grown(rates, siblings, k, w, cost)
+        return tree_policy.best_grown(rates, siblings, k, w, v, self.c)
 
     def plan(self, candidates: Sequence[Candidate], num_running: int) -> StepPlan:
         """Draft slots for each candidate (0: plain decoding; a chain's length or a tree's

@@ -59,15 +59,20 @@ def test_grown_trees_are_the_best_trees_of_their_size(rank0, siblings):
 def test_a_grown_tree_holds_the_best_chain_and_adds_only_siblings_that_pay():
     rank0 = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4]
     # near-free nodes: the whole budget is worth spending
-    template, _ = best_grown(rank0, [[0.0] * 2] * 6, 6, 3, [1.0 + 0.001 * n for n in range(9)])
+    free = [1.0 + 0.001 * n for n in range(9)]
+    template, _ = best_grown(rank0, [[0.0] * 2] * 6, 6, 3, free, 0.0)
     assert template == tree.chain(6)  # worthless siblings: the chain, to the depth limit
-    template, _ = best_grown(rank0, [[0.5, 0.3]] + [[0.0] * 2] * 5, 6, 3, [1.0 + 0.001 * n for n in range(9)])
+    template, _ = best_grown(rank0, [[0.5, 0.3]] + [[0.0] * 2] * 5, 6, 3, free, 0.0)
     # the chain, then the second guess for the first token (0.1 * 0.5) and its own continuation
     # (0.05 * 0.8), worth more than a third guess (0.1 * 0.5 * 0.3)
     assert template == tree.chain(6) + (-1, 6)
     # costly nodes: stop where one more node costs more than it brings
-    template, gain = best_grown(rank0, [[0.0] * 2] * 6, 6, 3, [1.0 + 0.8 * n for n in range(9)])
+    template, gain = best_grown(rank0, [[0.0] * 2] * 6, 6, 3, [1.0 + 0.8 * n for n in range(9)], 0.0)
     assert template == tree.chain(1) and gain == pytest.approx(1.9 / 1.8)  # two: 2.62 / 2.6
+    # drafting passes cost per depth, not per node: a wide tree of depth 1 beats a chain and the
+    # deeper tree that the best-first order reaches first (the child, 0.16, before rank 2, 0.126)
+    template, gain = best_grown([0.4, 0.4], [[0.3, 0.3]], 2, 3, free, 0.5)
+    assert template == (-1, -1, -1) and gain == pytest.approx((1 + 0.4 + 0.18 + 0.126) / (1.003 + 0.5))
 
 
 def request() -> Request:
