@@ -50,10 +50,11 @@ class _HeadState:
     base: int  # target position of the head's pair 0
     num_cached: int = 0  # pairs with real features in the head's cache: positions base .. base + num_cached - 1
     pending: list[torch.Tensor] = field(default_factory=list)  # features [n, F] of the next positions, in order
+    num_pending: int = 0  # their rows (kept: a paused request's pending list grows every step)
 
     @property
     def next_position(self) -> int:
-        return self.base + self.num_cached + sum(len(f) for f in self.pending)
+        return self.base + self.num_cached + self.num_pending
 
 
 class EagleDrafter(SamplingDrafter):
@@ -77,6 +78,7 @@ class EagleDrafter(SamplingDrafter):
             skip = st.next_position - start  # recomputed after a preemption: known already
             if skip < len(feats):
                 st.pending.append(feats[skip:])
+                st.num_pending += len(feats) - skip
 
     def context_class(self, request) -> int | None:
         st = self.states.get(request.request_id)
@@ -95,9 +97,8 @@ class EagleDrafter(SamplingDrafter):
     def _reserve_tree(self, slot: DraftSlot) -> bool:
         """KV for the pending pairs and every node the slot's tree may have."""
         st = self.states[slot.request.request_id]
-        pending = sum(len(f) for f in st.pending)
         nodes = min(len(slot.shape), slot.num_tokens)
-        return self.kv.allocate_slots(slot.request.request_id, st.num_cached + pending + nodes)
+        return self.kv.allocate_slots(slot.request.request_id, st.num_cached + st.num_pending + nodes)
 
     def _tree_forward(self, trees: list[GrowingTree], depth: int) -> list[torch.Tensor]:
         """Draft logits after each node of ``depth - 1`` (the root at 0) of every tree: one
@@ -160,7 +161,7 @@ class EagleDrafter(SamplingDrafter):
             ids = s.request.token_ids
             if hidden is None:
                 first = st.base + st.num_cached  # target position of the first pending feature
-                tokens = list(ids[first + 1 : first + 1 + sum(len(f) for f in st.pending)])
+                tokens = list(ids[first + 1 : first + 1 + st.num_pending])
                 feats = torch.cat(st.pending)[: len(tokens)]  # [n, F]
                 feeds.append((tokens, self.head.fuse(feats), st.num_cached))
             else:
@@ -178,6 +179,7 @@ class EagleDrafter(SamplingDrafter):
             st = self.states[s.request.request_id]
             st.num_cached += len(ids)
             st.pending.clear()
+            st.num_pending = 0
 
     def _forward(self, live: list[DraftSlot], feeds) -> torch.Tensor:
         """One batched head pass; the output [n, H] at each request's last fed pair."""
