@@ -103,13 +103,7 @@ class CombinedDrafter(Drafter):
 def _accepted(draft: Draft, new: list[int]) -> int:
     """Drafts of ``draft`` (a chain or a tree) that the committed ``new`` tokens follow."""
     parents = draft.parents or tree.chain(len(draft.token_ids))
-    node, depth = -1, 0
-    for token in new:
-        node = next((i for i, p in enumerate(parents) if p == node and draft.token_ids[i] == token), None)
-        if node is None:
-            break
-        depth += 1
-    return depth
+    return sum(rank is not None for _, rank in tree.walk(draft.token_ids, parents, new))
 
 
 def _build(kind: str):

@@ -242,15 +242,19 @@ class SpecPolicy:
         # Without the adaptive policy: the static tree, else the widest product tree in the budget.
         self.fixed_tree = static or (tree.product_tree([w] * k, nodes) if w > 1 else None)
 
-    def verify_cost(self, g: int, batch: int, rows: int, alone: bool = False) -> float:
-        """``V(g)`` for a request of a step with ``batch`` decoding requests and ``rows``
-        tokens so far (the drafts granted before it counted); ``alone``: as if at batch 1."""
-        return self.step_costs.verify(g, 1, 1) if alone else self.step_costs.verify(g, batch, rows)
+    def _verify_costs(self, batch: int, rows: int, alone: bool) -> list[float]:
+        """``V(n)`` for n = 0 .. the most drafts a round may have (chain or tree), for a
+        request of a step with ``batch`` decoding requests and ``rows`` tokens so far (the
+        drafts granted before it counted; ``alone``: as if at batch 1); computed once per
+        request and step for both ``_best_chain`` and ``_best_tree``."""
+        most = max(self.config.num_speculative_tokens, len(self.static[0].template) if self.static
+                   else self.config.max_tree_nodes if self.config.tree_width > 1 else 0)
+        return self.step_costs.verify_at(range(most + 1), *((1, 1) if alone else (batch, rows)))
 
-    def _best_chain(self, rates: list[float], k: int, batch: int, rows: int, alone: bool) -> tuple[int, float]:
+    def _best_chain(self, rates: list[float], k: int, v: list[float]) -> tuple[int, float]:
         """``(g, gain)``: the chain length in 1..k with the most tokens per step of cost,
-        ``expected_tokens(rates, g) / (V(g) + g c)`` (the shortest on ties), in one pass over g."""
-        v = self.step_costs.verify_at(range(k + 1), *((1, 1) if alone else (batch, rows)))
+        ``expected_tokens(rates, g) / (V(g) + g c)`` (the shortest on ties), in one pass over g;
+        ``v``: ``_verify_costs``."""
         best, accepted, survive = (0, 0.0), 0.0, 1.0
         for g in range(1, k + 1):
             survive *= rates[g - 1]
@@ -260,10 +264,11 @@ class SpecPolicy:
                 best = (g, gain)
         return best
 
-    def _best_tree(self, rates, siblings, batch: int, rows: int, alone: bool) -> tuple[tuple[int, ...], float]:
-        """``(template, gain)``: the static tree, else the best grown one (``tree_policy``)."""
+    def _best_tree(self, rates, siblings, v: list[float]) -> tuple[tuple[int, ...], float]:
+        """``(template, gain)``: the static tree, else the best grown one (``tree_policy``);
+        ``v``: ``_verify_costs``."""
         nodes = len(self.static[0].template) if self.static else self.config.max_tree_nodes
-        v = self.step_costs.verify_at(range(nodes + 1), *((1, 1) if alone else (batch, rows)))
+        v = v[: nodes + 1]
         if self.static:
             depth = max(self.static[0].depths) + 1
             return tree_policy.best(self.static, rates, siblings, lambda n: v[n] + depth * self.c)
@@ -320,18 +325,20 @@ class SpecPolicy:
         if self.step < cs.paused_until:
             return Decision(0, key, isolated=alone)
         rates = cs.estimate()
-        gamma, gain = self._best_chain(rates, k, batch, rows, alone)
+        v = self._verify_costs(batch, rows, alone)
+        gamma, gain = self._best_chain(rates, k, v)
         template = None
         if c.trees and (self.static or self.config.tree_width > 1):
-            shape, tree_gain = self._best_tree(rates, cs.siblings, batch, rows, alone)
+            shape, tree_gain = self._best_tree(rates, cs.siblings, v)
             if tree_gain > gain and not tree.is_chain(shape):
                 template, gain, gamma = shape, tree_gain, len(shape)
         if gain < 1.0:
             if not cs.probing:
                 return Decision(0, key, pause=True, isolated=alone, fresh=fresh)
             gamma, template = 1, None  # a probe after a pause: the cheapest test of whether drafts pay again
-            gain = (1 + rates[0]) / (self.verify_cost(1, batch, rows, alone) + self.c)
-        tokens = gain * (self.verify_cost(gamma, batch, rows, alone) + gamma * self.c)
+            gain = (1 + rates[0]) / (v[1] + self.c)
+        passes = int(tree.depths(template).max()) + 1 if template else gamma  # drafting: one pass per depth
+        tokens = gain * (v[gamma] + passes * self.c)
         return Decision(gamma, key, isolated=alone, fresh=fresh, template=template, expected_tokens=tokens)
 
     def _fresh(self, key: int, isolated: bool) -> ClassState:
