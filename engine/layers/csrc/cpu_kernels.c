@@ -355,18 +355,14 @@ static inline __attribute__((always_inline)) void attend512(const float *q, cons
     }
 }
 
-/* The query heads of one work item in passes of up to 4 (D = 64: 4, 4, ..., then the
- * rest in one pass) or 2 (D = 128). */
+/* The query heads of one work item in passes of up to 4 (D = 64) or 2 (D = 128). */
 static int attend512_heads(const float *q, const float *k_cache, const float *v_cache, const int64_t *sl,
                            int64_t L, int64_t KVH, int64_t g, float scale, float *scores, int64_t ss, float *o,
                            int64_t D, int64_t rep) {
     if (D == 64) {
         int64_t r = 0;
         for (; r + 4 <= rep; r += 4) attend512(q + r * D, k_cache, v_cache, sl, L, KVH, g, scale, scores, ss, o + r * D, 4, 4);
-        /* the rest in one pass, so each key and value is read once per work item */
-        if (rep - r == 3) attend512(q + r * D, k_cache, v_cache, sl, L, KVH, g, scale, scores, ss, o + r * D, 4, 3);
-        if (rep - r == 2) attend512(q + r * D, k_cache, v_cache, sl, L, KVH, g, scale, scores, ss, o + r * D, 4, 2);
-        if (rep - r == 1) attend512(q + r * D, k_cache, v_cache, sl, L, KVH, g, scale, scores, ss, o + r * D, 4, 1);
+        for (; r < rep; r++) attend512(q + r * D, k_cache, v_cache, sl, L, KVH, g, scale, scores, ss, o + r * D, 4, 1);
         return 1;
     }
     if (D == 128) {
@@ -391,8 +387,7 @@ void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
         float *acc = scores + rep * (max_len + 8);
         #pragma omp for schedule(static)
         for (int64_t item = 0; item < n * KVH; item++) {
-            /* one KV head after another: a request's rows (a chain, a tree) reuse its keys from cache */
-            const int64_t g = item / n, i = item % n, L = len[i];
+            const int64_t i = item / KVH, g = item % KVH, L = len[i];
             const int64_t *sl = slots + start[i];
             const float *qi = q + rows[i] * q_stride + g * rep * D;
 #ifdef __AVX512F__
