@@ -128,8 +128,7 @@ class EagleDrafter(SamplingDrafter):
             start += len(ids)
         return logits
 
-    def _chains(self, slots: list[DraftSlot]) -> dict[str, Draft]:
-        live = slots
+    def _chains(self, live: list[DraftSlot]) -> dict[str, Draft]:
         drafts: dict[str, list[int]] = {s.request.request_id: [] for s in live}
         probs: dict[str, list[torch.Tensor]] = {s.request.request_id: [] for s in live}
         hidden = None  # [n, H] the head's last output per live request

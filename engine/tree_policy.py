@@ -15,8 +15,9 @@ rank ``r`` is then on the accepted path with probability::
 
 and a round emits ``1 + sum`` of that over the nodes on average. A template of
 ``N`` nodes and depth ``D`` costs ``V(N) + D * c`` (``V`` from ``T(R)``, as for a
-chain of ``N`` drafts; ``c`` per drafting pass, one per depth); the policy keeps whichever of the chains and the candidate trees gives
-the most tokens per cost, so a tree that does not pay is never used.
+chain of ``N`` drafts; ``c`` per drafting pass, one per depth); the policy keeps
+whichever of the chains and the candidate trees gives the most tokens per cost,
+so a tree that does not pay is never used.
 
 Without a static tree the candidates are grown (``grown``, as EAGLE-2 and Sequoia
 shape theirs): the nodes are taken best first by that probability, a node's first
