@@ -1,13 +1,17 @@
 """``specserve train-eagle``: trains an EAGLE-3 head for a target on the CPU.
 
-Data: self-distillation. The target answers 460 chat prompts written here (eight
-templates over fifty subjects of science, history, the arts and economics, and small
-coding tasks in three languages) greedily, ``answer_tokens`` each, with the engine,
+Data: self-distillation. The target answers 2,000 chat prompts written here (twelve
+templates over 150 subjects of science, history, the arts and economics, and fifty small
+coding tasks in four languages) greedily, ``answer_tokens`` each, with the engine,
 once (kept for resumed runs); the chats are cut into sequences of ``seq_len`` tokens.
-The head so learns the text it will draft: the target's own. Labels are the target's
-too: for every batch the target runs once (no gradient) and gives the three features
-the head reads and its next-token distribution, restricted to the draft vocabulary
-(the ``draft_vocab`` most frequent tokens of the corpus) and renormalized.
+The head so learns the text it will draft: the target's own. Every twentieth chat is
+held out: the head's top-1 agreement with the target on those is logged every
+``eval_every`` steps, the measure of how it drafts text it has not seen (with a few
+hundred thousand tokens, agreement on the training text runs far ahead of it).
+Labels are the target's too: for every batch the target runs once (no gradient) and
+gives the three features the head reads and its next-token distribution, restricted to
+the draft vocabulary (the ``draft_vocab`` most frequent tokens of the corpus) and
+renormalized.
 
 The target's labels of a sequence are computed the first time it is drawn and kept
 (``LabelCache``): later epochs cost the head's passes only.
@@ -45,11 +49,13 @@ class TrainConfig:
     batch_size: int = 4
     seq_len: int = 256
     draft_vocab: int = 8192
-    answer_tokens: int = 160  # the target's answer per distillation prompt
+    answer_tokens: int = 256  # the target's answer per distillation prompt
     ttt_steps: int = 3
     lr: float = 1e-3
     warmup: int = 10
     save_every: int = 10
+    eval_every: int = 100
+    eval_sequences: int = 32  # held-out sequences the agreement is measured on
     seed: int = 0
 
 
@@ -66,6 +72,26 @@ SUBJECTS = (
     "the theory of relativity", "world religions", "chemical bonds", "urban planning", "jazz music",
     "the Silk Road", "sleep", "cryptography", "ethics", "rainforests", "the Moon landing",
     "linear algebra", "public health", "the novel as a literary form", "earthquakes",
+    "thermodynamics", "the periodic table", "cell division", "the nervous system", "antibiotics",
+    "genetics", "the speed of light", "magnetism", "nuclear energy", "the greenhouse effect",
+    "the human heart", "bacteria and viruses", "the Big Bang", "gravity", "sound waves",
+    "the chemistry of cooking", "batteries", "the carbon cycle", "coral reefs", "deserts",
+    "glaciers", "weather forecasting", "the atmosphere", "soil", "bees and pollination",
+    "calculus", "statistics", "prime numbers", "geometry", "game theory",
+    "algorithms", "databases", "operating systems", "computer networks", "artificial intelligence",
+    "robotics", "space exploration", "telescopes", "the history of medicine", "the scientific method",
+    "the American Revolution", "World War I", "World War II", "the Ottoman Empire", "the Mongol Empire",
+    "ancient Greece", "the Maya civilization", "feudalism", "the Reformation", "colonialism",
+    "the civil rights movement", "the fall of the Berlin Wall", "the history of writing", "the Enlightenment",
+    "the Byzantine Empire", "existentialism", "Stoicism", "utilitarianism", "free will", "the social contract",
+    "poetry", "Greek tragedy", "the history of film", "classical music", "architecture",
+    "photography", "the Baroque period", "modern art", "mythology in literature", "storytelling",
+    "globalization", "international trade", "taxation", "unemployment", "central banks",
+    "entrepreneurship", "marketing", "personal finance", "cryptocurrency", "the gig economy",
+    "psychology of learning", "memory", "motivation", "language acquisition", "social media",
+    "education systems", "human rights", "the United Nations", "journalism", "copyright law",
+    "sustainable agriculture", "water scarcity", "biodiversity", "recycling", "electric cars",
+    "the history of mathematics", "the Olympic Games", "the history of chess", "archaeology", "linguistics",
 )
 TEMPLATES = (
     "Explain {} to a beginner.",
@@ -76,6 +102,10 @@ TEMPLATES = (
     "Describe the history of {}.",
     "What are common misconceptions about {}?",
     "Write a lesson plan for teaching {}.",
+    "What are the main arguments for and against {}?",
+    "Summarize what a student should know about {}.",
+    "Write a blog post about {}.",
+    "What questions do researchers still ask about {}?",
 )
 CODING_TASKS = (
     "reverses a string", "checks whether a number is prime", "merges two sorted lists", "counts word frequencies",
@@ -84,13 +114,24 @@ CODING_TASKS = (
     "computes the factorial of n", "checks for balanced parentheses", "converts Celsius to Fahrenheit",
     "finds the median of a list", "implements a stack class", "transposes a matrix", "sorts a dictionary by value",
     "computes the greatest common divisor", "reads a file and counts its lines",
+    "checks whether a string is a palindrome", "implements a queue with two stacks", "finds the maximum subarray sum",
+    "implements bubble sort", "implements quicksort", "implements merge sort", "counts the vowels in a string",
+    "converts a decimal number to binary", "finds all anagrams of a word in a list", "implements a linked list",
+    "computes the power set of a set", "finds the shortest path in a graph", "implements a binary search tree",
+    "rotates an array by k positions", "checks whether two strings are anagrams", "finds the second largest number",
+    "implements a simple calculator", "generates all permutations of a list", "computes the edit distance of two strings",
+    "capitalizes the first letter of each word", "finds the most common element in a list", "implements an LRU cache",
+    "computes the sum of the digits of a number", "checks whether a year is a leap year", "implements depth-first search",
+    "implements breadth-first search", "multiplies two matrices", "finds prime numbers with a sieve",
+    "converts a Roman numeral to an integer", "finds the intersection of two lists",
 )
+LANGUAGES = ("Python", "JavaScript", "C++", "Java")
 
 
 def distillation_prompts() -> list[str]:
     """Chat prompts: every template over every subject, and coding tasks in three languages."""
     prompts = [t.format(s) for s in SUBJECTS for t in TEMPLATES]
-    prompts += [f"Write a {lang} function that {task}." for task in CODING_TASKS for lang in ("Python", "JavaScript", "C++")]
+    prompts += [f"Write a {lang} function that {task}." for task in CODING_TASKS for lang in LANGUAGES]
     return prompts
 
 
@@ -103,7 +144,7 @@ def self_distilled(path, max_tokens: int, out: Path) -> list[list[int]]:
         return json.loads(file.read_text())
     from engine import LLM, SamplingParams
 
-    llm = LLM(str(path), max_model_len=1024, max_num_seqs=64)
+    llm = LLM(str(path), max_model_len=1024, max_num_seqs=128)
     prompts = [
         llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
         for p in distillation_prompts()
@@ -259,22 +300,26 @@ def train(cfg: TrainConfig) -> Path:
     target = load_model(path, torch.float32, torch.device("cpu"), max_positions=cfg.seq_len)
     for p in target.parameters():
         p.requires_grad_(False)
-    sequences = corpus(self_distilled(path, cfg.answer_tokens, out), cfg.seq_len)
+    chats = self_distilled(path, cfg.answer_tokens, out)
+    sequences = corpus([c for i, c in enumerate(chats) if i % 20 != 19], cfg.seq_len)
+    held_out = corpus(chats[19::20], cfg.seq_len)[: cfg.eval_sequences]
     gen = torch.Generator().manual_seed(cfg.seed)
     order = torch.randperm(len(sequences), generator=gen).tolist()
     state = _load_state(out)
     draft_ids = state["draft_ids"] if state else draft_vocabulary(sequences, target.config.vocab_size, cfg.draft_vocab)
     head = new_head(target, draft_ids)
     opt = torch.optim.AdamW([p for p in head.parameters()], lr=cfg.lr, weight_decay=0.0)
-    log = {"config": asdict(cfg), "steps": [], "loss": [], "acc": [], "elapsed_s": 0.0}
+    log = {"config": asdict(cfg), "steps": [], "loss": [], "acc": [], "held_out": [], "elapsed_s": 0.0}
     if state:
         _restore(head, opt, state)
         log = json.loads((out / "train_log.json").read_text())
+        log.setdefault("held_out", [])  # logs written before held-out chats were
     tc = target.config
     block = 16
     kv = PagedKV(KVSpec(tc.num_hidden_layers, tc.num_key_value_heads, head_dim_of(tc), block, torch.float32),
                  cfg.batch_size * cfg.seq_len // block, "cpu")
     labels = LabelCache(target, sequences, head.feature_layers, draft_ids, kv, block)
+    held_labels = LabelCache(target, held_out, head.feature_layers, draft_ids, kv, block)
     step = log["steps"][-1] + 1 if log["steps"] else 0
     spent = log["elapsed_s"]
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train-eagle", unit="step")
@@ -295,13 +340,31 @@ def train(cfg: TrainConfig) -> Path:
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}", acc=" ".join(f"{a:.2f}" for a in accs))
         step += 1
+        if step % cfg.eval_every == 0:
+            log["held_out"].append([step, agreement(head, held_labels, cfg.ttt_steps)])
         if step % cfg.save_every == 0:
             log["elapsed_s"] = spent + time.monotonic() - start
             _save(out, head, opt, draft_ids, log)
     bar.close()
+    log["held_out"].append([step, agreement(head, held_labels, cfg.ttt_steps)])
+    print("held-out top-1 agreement by drafting depth:", " ".join(f"{a:.3f}" for a in log["held_out"][-1][1]))
     log["elapsed_s"] = spent + time.monotonic() - start
     _save(out, head, opt, draft_ids, log)
     return out
+
+
+@torch.no_grad()
+def agreement(head: EagleHead, labels: LabelCache, steps: int, batch: int = 4) -> list[float]:
+    """The head's top-1 agreement with the target per training-time-test step over all
+    of ``labels``' sequences (sequences of ``batch`` at a time)."""
+    n = len(labels.sequences)
+    totals = [0.0] * steps
+    for start in range(0, n, batch):
+        idx = list(range(start, min(n, start + batch)))
+        feats, target_p = labels.batch(idx)
+        accs = ttt_loss(head, feats, torch.tensor([labels.sequences[i] for i in idx]), target_p, steps)[1]
+        totals = [t + a * len(idx) for t, a in zip(totals, accs)]
+    return [t / max(1, n) for t in totals]
 
 
 def _save(out: Path, head: EagleHead, opt, draft_ids: torch.Tensor, log: dict) -> None:
@@ -345,11 +408,17 @@ def _plot(file: Path, log: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, (ax, acc) = plt.subplots(1, 2, figsize=(10, 3.5))
     ax.plot(log["steps"], log["loss"], lw=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel("training-time-test loss")
     ax.set_title("train-eagle: EAGLE-3 head")
+    acc.plot(log["steps"], [a[0] for a in log["acc"]], lw=0.8, label="training batch")
+    held = log.get("held_out", [])
+    acc.plot([h[0] for h in held], [h[1][0] for h in held], "o-", label="held-out chats")
+    acc.set_xlabel("step")
+    acc.set_ylabel("top-1 agreement, first draft")
+    acc.legend()
     fig.tight_layout()
     fig.savefig(file, dpi=100)
     plt.close(fig)

@@ -37,7 +37,7 @@ def test_training_lowers_the_loss_and_writes_a_head_the_engine_drafts_with(tmp_p
         opt.step()
         losses.append(loss.item())
     assert len(accs) == 3 and losses[-1] < 0.7 * losses[0]
-    _save(tmp_path, head, opt, head.draft_to_target, {"steps": [0], "loss": losses[:1], "acc": [], "elapsed_s": 0})
+    _save(tmp_path, head, opt, head.draft_to_target, {"steps": [0], "loss": losses[:1], "acc": [accs], "elapsed_s": 0})
     assert (tmp_path / "loss.png").is_file()
     assert run(eagle_engine(target, "eagle3", tmp_path), PROMPTS) == run(eagle_engine(target), PROMPTS)
 
@@ -51,7 +51,7 @@ def test_the_saved_state_resumes_exactly(tmp_path):
         opt.zero_grad()
         ttt_loss(head, feats, batch, probs, steps=2)[0].backward()
         opt.step()
-    _save(tmp_path, head, opt, head.draft_to_target, {"steps": [0, 1], "loss": [1.0, 0.5], "acc": [], "elapsed_s": 1.0})
+    _save(tmp_path, head, opt, head.draft_to_target, {"steps": [0, 1], "loss": [1.0, 0.5], "acc": [[0.1], [0.2]], "elapsed_s": 1.0})
     state = _load_state(tmp_path)
     twin = new_head(target, state["draft_ids"])
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=3e-3)
@@ -102,7 +102,7 @@ def test_distillation_prompts_are_distinct_and_the_corpus_cuts_the_chats_in_orde
     from drafters.eagle_train import corpus, distillation_prompts
 
     prompts = distillation_prompts()
-    assert len(prompts) == len(set(prompts)) > 400
+    assert len(prompts) == len(set(prompts)) == 2000
     chats = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     assert corpus(chats, 4) == [[1, 2, 3, 4], [5, 6, 7, 8]]  # the last, short piece is dropped
 
@@ -122,3 +122,19 @@ def test_label_cache_gives_the_targets_labels_and_keeps_them():
     assert sorted(cache.kept) == [0, 1]
     cache.target = None  # a second draw must not run the target again
     torch.testing.assert_close(cache.batch([0])[1], got_p[1:])
+
+
+def test_held_out_agreement_is_the_mean_over_every_sequence_whatever_the_batching():
+    from drafters.eagle_train import LabelCache, agreement
+
+    target = small_target()
+    head = new_head(target, torch.arange(0, 16, 2))
+    sequences = torch.randint(0, 16, (3, 32), generator=torch.Generator().manual_seed(3)).tolist()
+    cfg = target.config
+    kv = PagedKV(KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), 16, torch.float32), 8, "cpu")
+    cache = LabelCache(target, sequences, head.feature_layers, head.draft_to_target, kv, 16, top=8)
+    feats, probs = cache.batch([0, 1, 2])
+    whole = ttt_loss(head, feats, torch.tensor(sequences), probs, steps=2)[1]
+    for batch in (1, 2, 3):
+        assert agreement(head, cache, steps=2, batch=batch) == pytest.approx(whole)
+
