@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.layers import cpu_kernels
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.llama import head_dim_of
@@ -70,29 +71,29 @@ class EagleHead(nn.Module):
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [T, F] -> the hidden input of the head's pairs [T, H]
         (eagle3: ``fc`` fuses the layers; eagle: the feature itself)."""
-        return self.fc(features) if self.kind == "eagle3" else features
+        return _linear(self.fc, features) if self.kind == "eagle3" else features
 
     def layer_inputs(self, input_ids: torch.Tensor, hidden: torch.Tensor):
         """input_ids [T], hidden [T, H] -> (residual [T, H], attention input [T, H or 2H])."""
         emb = self._target[0].embed_tokens(input_ids).to(hidden.dtype)
         if self.kind == "eagle3":
             return hidden, torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
-        x = self.fc(torch.cat([emb, hidden], dim=-1))
+        x = _linear(self.fc, torch.cat([emb, hidden], dim=-1))
         return x, x  # layer 0 of EAGLE-1 has no input norm
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """x [T, attn_in] -> q [T, heads, D], k and v [T, kv_heads, D], rope applied."""
-        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        q = _linear(self.q_proj, x).view(-1, self.num_heads, self.head_dim)
+        k = _linear(self.k_proj, x).view(-1, self.num_kv_heads, self.head_dim)
+        v = _linear(self.v_proj, x).view(-1, self.num_kv_heads, self.head_dim)
         cos, sin = self.rotary(positions, x.dtype)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def finish(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """attn [T, heads * D] -> the layer's output [T, H] (pre-norm)."""
-        x = residual + self.o_proj(attn)
+        x = residual + _linear(self.o_proj, attn)
         h = self.post_attention_layernorm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x + _linear(self.down_proj, F.silu(_linear(self.gate_proj, h)) * _linear(self.up_proj, h))
 
     def forward(self, input_ids, hidden, positions, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
         """input_ids [T], hidden [T, H] (fused), positions [T] -> output hidden [T, H]."""
@@ -106,7 +107,7 @@ class EagleHead(nn.Module):
         outside a reduced draft vocabulary get -inf: they are never drafted)."""
         if self.kind == "eagle":
             return self._target[0].compute_logits(out)
-        small = self.lm_head(self.norm(out)).float()  # [S, draft_vocab]
+        small = _linear(self.lm_head, self.norm(out)).float()  # [S, draft_vocab]
         full = small.new_full((out.shape[0], self.config.vocab_size), float("-inf"))
         full[:, self.draft_to_target] = small
         return full
@@ -115,6 +116,19 @@ class EagleHead(nn.Module):
         """Parameters read per drafted token, including the target's head it uses."""
         own = sum(p.numel() for p in self.parameters())
         return own + (self._target[0].lm_head.weight.numel() if self.kind == "eagle" else 0)
+
+
+def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``, through ``cpu_kernels.gemv`` when it can run (float32 on the CPU, not
+    under autograd: drafting, not training). On the bench machine (2 threads) it ran the
+    default model's head 3.6x faster than torch's matmul over the unpacked weights: 0.53
+    against 1.89 ms a one-row pass, 1.04 against 3.63 at 8 rows; [n, 1152] x [576, 1152]
+    and [n, 576] x [8192, 576] together 0.47 against 1.85 ms at 16 rows, 7.0 against 16.3
+    at 256."""
+    if cpu_kernels.usable(x) and layer.weight.dtype == torch.float32:
+        y = cpu_kernels.gemv(x, layer.weight)
+        return y if layer.bias is None else y + layer.bias
+    return layer(x)
 
 
 def load_eagle_head(path: Path, kind: str, target, dtype, device, max_positions: int) -> EagleHead:
