@@ -125,7 +125,7 @@ def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     against 1.89 ms a one-row pass, 1.04 against 3.63 at 8 rows; [n, 1152] x [576, 1152]
     and [n, 576] x [8192, 576] together 0.47 against 1.85 ms at 16 rows, 7.0 against 16.3
     at 256."""
-    if cpu_kernels.usable(x) and layer.weight.dtype == torch.float32:
+    if x.dim() == 2 and cpu_kernels.usable(x) and layer.weight.dtype == torch.float32:
         y = cpu_kernels.gemv(x, layer.weight)
         return y if layer.bias is None else y + layer.bias
     return layer(x)
