@@ -14,8 +14,13 @@ towards it in proportion to their interpolation weights::
     ratio = clip(seconds / predicted, 1/2, 2)
     s_i   *= 1 + alpha (1 - w) (ratio - 1)   s_i+1 *= 1 + alpha w (ratio - 1)
 
-and the policy's relative table is ``s / s_0``, made non-decreasing. One slow
-step moves an entry by at most ``alpha`` (5%). Observations come only from
+and every entry above ``r_i+1`` moves by the same factor as ``s_i+1``: rows
+beyond the observed ones are predicted to drift as the nearest observed row
+did. Without that, the largest plain batch (64 requests) pulled its entry up
+to the one above it, which no plain step ever reaches, and drafts at that
+batch looked free (measured: 5,816 drafts, 15% accepted, 0.74x of plain in one
+64-request wave). The policy's relative table is ``s / s_0``, made
+non-decreasing. One slow step moves an entry by at most ``alpha`` (5%). Observations come only from
 steps already run: the plan of a step never depends on its own drafts.
 
 Only plain decode steps move the table. A step that verifies drafts also runs
@@ -61,7 +66,9 @@ class CostTracker:
             return self.table()
         ratio = min(max(seconds / predicted, 1 / MAX_RATIO), MAX_RATIO)
         self.seconds[i] *= 1 + ALPHA * (1 - w) * (ratio - 1)
-        self.seconds[i + 1] *= 1 + ALPHA * w * (ratio - 1)
+        above = 1 + ALPHA * w * (ratio - 1)
+        for j in range(i + 1, len(self.seconds)):
+            self.seconds[j] *= above
         return self.table()
 
     def table(self) -> StepCosts:

@@ -74,3 +74,15 @@ def test_a_verifying_step_moves_the_fixed_cost_not_the_table():
     for _ in range(300):
         table = t.observe(5, 0.008, verified=True)  # faster than predicted: no negative fixed cost
     assert 0.0 <= table.verify_fixed < 0.01
+
+
+def test_rows_above_the_observed_ones_drift_with_them_so_drafts_keep_their_price():
+    """Plain steps at the largest batch (16 rows here) slower than timed: the entry above
+    it, which no plain step reaches, moves with it, so rows beyond stay as dear as timed."""
+    t = CostTracker(StepCosts((1, 5, 17, 33), (1.0, 1.2, 2.0, 3.2), one_token_s=0.010))
+    for _ in range(300):
+        t.observe(1, 0.010)
+        table = t.observe(16, 0.030)  # 1.5x the ~19.3 ms timed for 16 rows
+    assert table(16) == pytest.approx(3.0, rel=0.05)
+    assert 1.4 * 1.2 < table(33) - table(17) < 1.7 * 1.2  # the timed slope, drifted about 1.5x
+    assert table.verify(8, batch=16) > 1.5
