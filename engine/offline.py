@@ -3,6 +3,7 @@
 import itertools
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from engine.heap import freeze_startup_heap
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
@@ -28,6 +29,7 @@ class LLM:
                 parallel=parallel,
             )
         self.engine = LLMEngine(config)
+        freeze_startup_heap()
         self._ids = itertools.count()
 
     @property

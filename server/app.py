@@ -19,6 +19,7 @@ from api.errors import install_error_handlers
 from api.openapi import install_openapi
 from api.routes import router
 from engine.async_engine import AsyncEngine
+from engine.heap import freeze_startup_heap
 from engine.llm_engine import LLMEngine
 from server.middleware import BearerAuth, BodyLimit, RequestContext
 from server.serving import ServingEngine
@@ -52,6 +53,8 @@ def create_app(settings: ServerSettings | None = None, llm_engine: LLMEngine | N
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         llm = llm_engine or await asyncio.to_thread(LLMEngine, settings.engine_config())
+        if llm_engine is None:
+            freeze_startup_heap()
         engine = AsyncEngine(llm)
         serving = ServingEngine(engine, settings)
         spec = llm.config.speculative
