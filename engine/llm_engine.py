@@ -243,10 +243,11 @@ class LLMEngine:
         if self.policy is None:
             return StepPlan({})
         running = self.scheduler.running
+        shared = self.policy.plans_shared(len(running))  # False: only seeded requests are planned
         candidates = [
             Candidate(r.request_id, self._context_class(r), isolated=r.params.seed is not None, trees=r.grammar is None)
             for r in running
-            if r.params.speculate and r.num_computed_tokens + 1 == r.num_tokens
+            if r.params.speculate and r.num_computed_tokens + 1 == r.num_tokens and (shared or r.params.seed is not None)
         ]
         return self.policy.plan(candidates, len(running))
 
@@ -336,7 +337,7 @@ class LLMEngine:
                     self.policy.record(rid, plan.decisions[rid], result.num_drafted.get(rid, 0), accepted, outcomes)
                 if (req := self.scheduler.requests.get(rid)) is not None:  # not finished
                     self.drafter.commit(req)
-            self.policy.end_step()
+            self.policy.end_step(plan)
             if self.cost_tracker is not None and all(len(s.token_ids) == 1 for s in scheduled.scheduled):
                 rows = scheduled.num_tokens + sum(result.num_drafted.values())  # decode step: last tokens + drafts
                 self.policy.step_costs = self.cost_tracker.observe(rows, times.execute_s, bool(result.num_drafted))

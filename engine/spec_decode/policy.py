@@ -7,7 +7,7 @@ A step's plan is a pure function of what was recorded before the step::
     scheduler.schedule(plan.num_draft_slots)                    # {request id: slots}
     ... draft, verify ...
     policy.record(id, plan.decisions[id], num_drafted, num_accepted)  # requests that ran
-    policy.end_step()
+    policy.end_step(plan)
 
 Only ``record`` and ``end_step`` change the policy's state. A request planned but
 then not run (preempted, or out of budget) records nothing: its decision,
@@ -47,6 +47,15 @@ The policy picks the ``g`` in ``1..k`` with the best tokens per cost; when even
 that is below 1, that class of the request stops drafting for a while, then
 retries with a probe round.
 
+Planning itself costs a few microseconds of Python per request and step (the
+drafter's context class, a decision), about 2 ms of a 75 ms step at 64
+requests on the bench machine, where drafts seldom pay. So a batch size whose
+plans keep granting no drafts stops planning for a while, as a class does:
+after ``IDLE_PLANS`` such plans in a row at batch sizes of one power-of-two
+bucket, ``plans_shared`` is False for that bucket for 8, 16, ... 128 steps,
+and the engine does not even ask the drafter for those requests' classes. This
+too depends only on past plans. Isolated requests are always planned.
+
 A seeded request is *isolated*: its record starts from the prior, never from
 the pooled rates, and its drafts are priced as if it were alone (``V`` at
 batch 1). Its choices then depend only on its own history, so it draws the same
@@ -68,6 +77,9 @@ PRIOR_ACCEPTANCE = 0.5  # acceptance assumed before a request has any history
 EMA = 0.3  # weight of the newest round in a request's acceptance estimate
 POOLED_EMA = 0.05  # ... and in the estimate pooled over all requests
 MIN_PAUSE, MAX_PAUSE = 8, 256  # steps a request stops drafting after drafts did not pay
+IDLE_PLANS = 8  # plans in a row that granted no drafts before a batch size bucket stops planning
+MIN_BATCH_PAUSE, MAX_BATCH_PAUSE = 8, 128  # steps it then stops for (doubling while plans stay idle)
+MIN_PAUSED_BATCH = 8  # smaller batches always plan: their planning is cheap beside a step
 
 
 def survival(alpha, gamma: int) -> list[float]:
@@ -216,9 +228,25 @@ class Decision:
     expected_tokens: float = 1.0  # tokens the round emits on average, by the estimates it was chosen with
 
 
+@dataclass
+class BatchPause:
+    """Whether the plans at batch sizes of one bucket grant drafts (see the module docstring)."""
+
+    idle: int = 0  # plans in a row that granted no drafts
+    paused_until: int = 0  # step index before which shared requests are not planned
+    pause_len: int = MIN_BATCH_PAUSE
+
+
+def batch_bucket(batch: int) -> int:
+    """Batch sizes whose planning pauses together: 8-15, 16-31, 32-63, ..."""
+    return batch.bit_length()
+
+
 @dataclass(frozen=True)
 class StepPlan:
     decisions: dict[str, Decision]
+    batch: int = 0  # decoding requests of the step
+    planned_shared: bool = False  # the requests priced within the batch were planned (not paused)
 
     @property
     def num_draft_slots(self) -> dict[str, int]:
@@ -236,6 +264,7 @@ class SpecPolicy:
         self.step = 0
         self.states: dict[str, SpecState] = {}
         self.pooled: dict[int, ClassState] = {}  # class -> rates over all requests
+        self.batch_pauses: dict[int, BatchPause] = {}  # batch_bucket -> its record
         k, w, nodes = config.num_speculative_tokens, config.tree_width, config.max_tree_nodes
         static = config.static_tree()
         self.static = [tree_policy.Candidate.of(static)] if static else []
@@ -246,10 +275,24 @@ class SpecPolicy:
         """``V(n)`` for n = 0 .. the most drafts a round may have (chain or tree), for a
         request of a step with ``batch`` decoding requests and ``rows`` tokens so far (the
         drafts granted before it counted; ``alone``: as if at batch 1); computed once per
-        request and step for both ``_best_chain`` and ``_best_tree``."""
+        (batch, rows) while the table stays (most steps grant no drafts, so one computation
+        serves every request), for both ``_best_chain`` and ``_best_tree``."""
         most = max(self.config.num_speculative_tokens, len(self.static[0].template) if self.static
                    else self.config.max_tree_nodes if self.config.tree_width > 1 else 0)
-        return self.step_costs.verify_at(range(most + 1), *((1, 1) if alone else (batch, rows)))
+        key = (1, 1) if alone else (batch, rows)
+        v = self._verify_memo.get(key)
+        if v is None:
+            v = self._verify_memo[key] = self._step_costs.verify_at(range(most + 1), *key)
+        return v
+
+    @property
+    def step_costs(self) -> StepCosts:
+        return self._step_costs
+
+    @step_costs.setter
+    def step_costs(self, costs: StepCosts) -> None:
+        self._step_costs = costs
+        self._verify_memo: dict[tuple[int, int], list[float]] = {}  # (batch, rows) -> _verify_costs
 
     def _best_chain(self, rates: list[float], k: int, v: list[float]) -> tuple[int, float]:
         """``(g, gain)``: the chain length in 1..k with the most tokens per step of cost,
@@ -280,8 +323,11 @@ class SpecPolicy:
         node count), in order, with ``num_running`` requests in the step. Pure: reads the
         records, changes nothing."""
         batch = rows = max(1, num_running)
+        shared_planned = self.plans_shared(num_running)
         decisions = {}
         for c in candidates:
+            if not (shared_planned or c.isolated):
+                continue
             d = self._decide(c, batch, rows)
             rows += d.num_draft_slots
             decisions[c.request_id] = d
@@ -290,7 +336,16 @@ class SpecPolicy:
             for rid in shared:
                 d = decisions[rid]
                 decisions[rid] = Decision(0, d.context_class, fresh=d.fresh)
-        return StepPlan(decisions)
+        return StepPlan(decisions, batch, shared_planned)
+
+    def plans_shared(self, num_running: int) -> bool:
+        """Whether a step with ``num_running`` decoding requests plans the requests priced
+        within the batch (isolated ones are always planned); False while their bucket is
+        paused after idle plans."""
+        if num_running < MIN_PAUSED_BATCH or not self.config.adaptive or self.step_costs.per_request:
+            return True
+        bp = self.batch_pauses.get(batch_bucket(num_running))
+        return bp is None or self.step >= bp.paused_until
 
     def _step_pays(self, drafting: list[Decision], batch: int, rows: int) -> bool:
         """Whether the step's drafts (of the requests priced within the batch) pay as a
@@ -396,7 +451,19 @@ class SpecPolicy:
         elif cs.probing:
             self._pause(cs, key, st.isolated)
 
-    def end_step(self) -> None:
+    def end_step(self, plan: StepPlan | None = None) -> None:
+        """After the step ran with ``plan``: its bucket's record of idle plans (a plan with no
+        shared candidate, such as a step of prompts only, does not count), then the next step."""
+        shared = [d for d in plan.decisions.values() if not d.isolated] if plan is not None else []
+        if shared and plan.planned_shared and plan.batch >= MIN_PAUSED_BATCH:
+            bp = self.batch_pauses.setdefault(batch_bucket(plan.batch), BatchPause())
+            if any(d.num_draft_slots for d in shared):
+                bp.idle, bp.pause_len = 0, MIN_BATCH_PAUSE
+            else:
+                bp.idle += 1
+                if bp.idle >= IDLE_PLANS:
+                    bp.idle, bp.paused_until = 0, self.step + 1 + bp.pause_len
+                    bp.pause_len = min(2 * bp.pause_len, MAX_BATCH_PAUSE)
         self.step += 1
 
     def free(self, request_id: str) -> SpecState | None:

@@ -7,12 +7,12 @@ import copy
 from engine import SamplingParams
 from engine.config import SpeculativeConfig
 from engine.llm_engine import LLMEngine
-from engine.spec_decode.policy import Candidate, ClassState, SpecPolicy, StepCosts
+from engine.spec_decode.policy import IDLE_PLANS, MIN_BATCH_PAUSE, Candidate, ClassState, SpecPolicy, StepCosts
 from tests.conftest import engine_config
 
 
 def policy_state(policy: SpecPolicy):
-    return copy.deepcopy((policy.states, policy.pooled, policy.step, policy.step_costs))
+    return copy.deepcopy((policy.states, policy.pooled, policy.batch_pauses, policy.step, policy.step_costs))
 
 
 def test_planning_twice_mid_run_gives_the_same_plan_and_changes_nothing(tiny_model):
@@ -44,3 +44,29 @@ def test_a_plan_that_is_not_run_leaves_no_trace():
     d = policy.plan([Candidate("r", 0)], 1).decisions["r"]
     policy.record("r", d, 0, 0)
     assert policy.is_paused("r") and policy.states["r"].classes[0].paused_until == 1 + 8
+
+
+def test_a_paused_batch_size_does_not_ask_the_drafter_but_a_seeded_request_is_still_planned(tiny_model):
+    """Ten decoding requests whose drafts never pay: after IDLE_PLANS idle plans the engine
+    stops asking the drafter for their context classes, except the seeded one's."""
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    engine = LLMEngine(engine_config(256, speculative=spec, enable_prefix_caching=False), model=tiny_model(vocab_size=64))
+    engine.cost_tracker = None  # keep the table below: extra rows cost as much as requests
+    engine.policy.step_costs = StepCosts((1, 9, 33), (1.0, 2.0, 5.0), one_token_s=0.01)
+    engine.policy.pooled = {n: ClassState([0.1] * 4, tested=4) for n in range(1, 5)}
+    asked = []
+    context_class = engine.drafter.context_class
+    engine.drafter.context_class = lambda r: asked.append(r.request_id) or context_class(r)
+    for i in range(10):
+        params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, seed=1 if i == 0 else None)
+        engine.add_request(f"r{i}", [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], params)
+    per_step = []
+    while engine.has_unfinished():
+        asked.clear()
+        engine.step()
+        per_step.append(set(asked))
+    decoding = [s for s in per_step if s]
+    assert decoding[0] == {f"r{i}" for i in range(10)}
+    assert all(len(s) == 10 for s in decoding[:IDLE_PLANS])
+    assert all(s == {"r0"} for s in decoding[IDLE_PLANS : IDLE_PLANS + MIN_BATCH_PAUSE])
+    assert engine.policy.states == {}

@@ -4,6 +4,8 @@ import pytest
 
 from engine.config import SpeculativeConfig
 from engine.spec_decode.policy import (
+    IDLE_PLANS,
+    MIN_BATCH_PAUSE,
     Candidate,
     ClassState,
     SpecPolicy,
@@ -149,3 +151,40 @@ def test_drafts_that_pay_one_by_one_are_dropped_when_the_verifying_pass_does_not
     assert dear.plan(candidates, 16).num_draft_slots == {}
     seeded = candidates[:-1] + [Candidate("seeded", 0, isolated=True)]
     assert dear.plan(seeded, 16).num_draft_slots == {c.request_id: 1 for c in seeded}
+
+
+def test_a_batch_size_whose_plans_grant_nothing_stops_planning_for_a_while():
+    """At 16 requests drafts at a 0.3 acceptance do not pay: after IDLE_PLANS idle plans
+    their bucket (16-31) is not planned for MIN_BATCH_PAUSE steps (a seeded request still
+    is), then planned again, and idle again it pauses twice as long. Batch 4 is unaffected,
+    and a plan that grants drafts keeps its bucket planning."""
+    costs = StepCosts((1, 5, 17, 33), (1.0, 1.05, 2.0, 4.0), one_token_s=0.01)
+    policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 0.0, costs)
+    policy.pooled[0] = ClassState([0.3] * 4, tested=4)
+    candidates = [Candidate(f"r{i}", 0) for i in range(15)] + [Candidate("seeded", 0, isolated=True)]
+    for _ in range(IDLE_PLANS):
+        assert policy.plans_shared(16) and policy.plans_shared(20)
+        plan = policy.plan(candidates, 16)
+        assert plan.num_draft_slots.keys() == {"seeded"}  # priced alone, as at batch 1
+        policy.end_step(plan)
+    assert not policy.plans_shared(16) and not policy.plans_shared(31) and policy.plans_shared(32)
+    assert policy.plans_shared(4)
+    plan = policy.plan(candidates, 16)
+    assert set(plan.decisions) == set(plan.num_draft_slots) == {"seeded"}
+    for _ in range(MIN_BATCH_PAUSE - 1):
+        policy.end_step(policy.plan(candidates, 16))
+    assert not policy.plans_shared(16)
+    policy.end_step(policy.plan(candidates, 16))
+    assert policy.plans_shared(16)
+    for _ in range(IDLE_PLANS):
+        policy.end_step(policy.plan(candidates, 16))
+    for _ in range(2 * MIN_BATCH_PAUSE):
+        assert not policy.plans_shared(16)
+        policy.end_step(policy.plan(candidates, 16))
+    assert policy.plans_shared(16)
+    policy.pooled[0] = ClassState([0.95] * 4, tested=4)  # drafting pays: planning goes on
+    for _ in range(3 * IDLE_PLANS):
+        plan = policy.plan([Candidate(f"n{i}", 0) for i in range(16)], 16)
+        assert plan.num_draft_slots
+        policy.end_step(plan)
+    assert policy.plans_shared(16)
