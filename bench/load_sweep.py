@@ -8,9 +8,9 @@ concurrency ``c``, a wave of ``c * --requests-per-worker`` streamed chat request
 (greedy, ``ignore_eos``, ``--max-tokens`` each, MT-Bench-style prompts, the same
 ones for every server) is sent by ``c`` workers, each sending its next request as
 soon as its last one ended (vLLM's ``--max-concurrency``: the batch stays full
-until the wave's tail, as under steady load), to each server in turn,
-``--rounds`` times, so that the machine's drifting speed hits every server
-alike; measured from the client:
+until the wave's tail, as under steady load), to each server in turn (the
+order reversed every other round), ``--rounds`` times, so that the machine's
+drifting speed hits every server alike; measured from the client:
 total output tokens/s (median over rounds), and per request the inter-token
 latency (gap between output events over the tokens they carried, p50 over
 every round) and the time per output token. The target: with speculation on,
@@ -78,14 +78,16 @@ def summarize(waves: list[dict]) -> dict:
 
 def sweep(urls: dict[str, str], levels: list[int], prompts: list[str], max_tokens: int, rounds: int,
           per_worker: int) -> dict:
-    """Each concurrency, each round: one wave to each server in turn."""
+    """Each concurrency, each round: one wave to each server in turn, the order reversed
+    every other round (a wave runs a few percent slower right after another server's)."""
     for url in urls.values():
         asyncio.run(wave(url, prompts[:2], 2, 8))  # warm-up
     out = {name: {} for name in urls}
     for c in levels:
         waves = {name: [] for name in urls}
-        for _ in range(rounds):
-            for name, url in urls.items():
+        for r in range(rounds):
+            order = list(urls.items())
+            for name, url in order if r % 2 == 0 else order[::-1]:  # no server always goes first
                 waves[name].append(asyncio.run(wave(url, prompts[: c * per_worker], c, max_tokens)))
         for name in urls:
             r = out[name][c] = summarize(waves[name])

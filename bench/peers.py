@@ -145,20 +145,22 @@ def conversation_prompt() -> str:
 
 def measure(urls: dict[str, str], chat_ps: list[str], copy_ps: list[str], conc_ps: list[str], rounds: int) -> dict:
     """Every server is up at once and each request goes to each server in turn (per prompt,
-    per round), so that a drift of the machine's speed over the run hits them all alike."""
+    per round; the order reversed every other round), so that a drift of the machine's
+    speed over the run hits them all alike."""
     for url in urls.values():
         chat(url, [{"role": "user", "content": "Say hello."}], 8)  # warm-up, not counted
     speed = {n: {"chat": [], "copy": [], "c16": []} for n in urls}
     texts: dict[str, list[str]] = {n: [] for n in urls}
     for rnd in range(rounds):
+        order = list(urls.items())[:: -1 if rnd % 2 else 1]  # no server always goes first
         for group, ps in (("chat", chat_ps), ("copy", copy_ps)):
             for p in ps:
-                for n, url in urls.items():
+                for n, url in order:
                     r = chat(url, [{"role": "user", "content": p}], MAX_TOKENS)
                     speed[n][group].append(r["tokens"] / r["wall_s"])
                     if rnd == 0:
                         texts[n].append(r["text"])
-        for n, url in urls.items():
+        for n, url in order:
             results, wall = run_at_once(lambda p: chat(url, [{"role": "user", "content": p}], MAX_TOKENS), conc_ps)
             speed[n]["c16"].append(sum(r["tokens"] for r in results if r) / wall)
         for n in urls:
