@@ -117,7 +117,7 @@ def report(results: dict, levels: list[int], command: str, max_tokens: int, per_
         body += f"\n\n{m}: worst ratio to plain (throughput or p50 ITL) {worst[m]:.2f} -> **{verdict}** (floor {FLOOR})"
     body += (f"\n\nEach concurrency c: a wave of {per_worker} c streamed chat requests, greedy, {max_tokens} "
              "tokens with ignore_eos, sent by c workers that each send their next request as soon as their "
-             "last one ended (vLLM's --max-concurrency), to every server in turn (all up at once), in rounds; "
+             "last one ended (vLLM's --max-concurrency), to every server in turn (all up at once; the order reversed every other round), in rounds; "
              "throughput is the median over rounds. ITL: the gap between output events divided by the tokens "
              "they carried, p50 over all gaps of the wave. Ratios above 1 mean speculation on is better. "
              "Client: bench.sse_client.\n\n![sweep](load_sweep.png)")
