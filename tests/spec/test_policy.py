@@ -94,6 +94,29 @@ def test_a_costly_drafter_probes_with_one_draft_and_one_lucky_hit_does_not_resta
     assert st.paused_until == policy.step - 1 + 8  # and the hit shortened the pause: the next probe comes soon
 
 
+def test_a_request_new_to_a_class_whose_probes_keep_missing_waits_longer_before_its_first_probe():
+    """Drafts that never pay (cost 0.4, rarely right): each missed probe of any request
+    doubles the class's pooled pause, which the next request starts from; an isolated
+    request starts from the prior's; a round that accepts halves the pooled pause."""
+    policy = SpecPolicy(SpeculativeConfig(method="early_exit", num_speculative_tokens=3), 0.4, StepCosts.linear(0.0))
+    policy.pooled[0] = ClassState([0.1] * 3, tested=3)
+    for rid in ("a", "b", "c"):
+        step(policy, rid)  # not paying: paused at once
+        while policy.is_paused(rid):
+            policy.end_step()
+        assert step(policy, rid) == 1  # its probe, missed
+    assert policy.pooled[0].pause_len == 8 * 2**3
+    step(policy, "d")
+    assert policy.states["d"].classes[0].paused_until == policy.step - 1 + 64
+    assert policy.plan([Candidate("e", 0, isolated=True)], 1).decisions["e"].fresh.pause_len == 8
+    probe = policy.plan([Candidate("c", 0)], 1).decisions["c"]
+    while not probe.num_draft_slots:
+        policy.end_step()
+        probe = policy.plan([Candidate("c", 0)], 1).decisions["c"]
+    policy.record("c", probe, 1, 1)
+    assert policy.pooled[0].pause_len == 32
+
+
 def test_context_classes_keep_their_own_statistics_and_pool_across_requests():
     policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=8), 0.0, StepCosts.linear(0.05))
     for _ in range(30):  # short matches miss ...
