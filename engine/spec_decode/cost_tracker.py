@@ -20,8 +20,9 @@ did. Without that, the largest plain batch (64 requests) pulled its entry up
 to the one above it, which no plain step ever reaches, and drafts at that
 batch looked free (measured: 5,816 drafts, 15% accepted, 0.74x of plain in one
 64-request wave). The policy's relative table is ``s / s_0``, made
-non-decreasing. One slow step moves an entry by at most ``alpha`` (5%). Observations come only from
-steps already run: the plan of a step never depends on its own drafts.
+non-decreasing. One slow step moves an entry by at most ``alpha`` (5%).
+Observations come only from steps already run: the plan of a step never
+depends on its own drafts.
 
 Only plain decode steps move the table. A step that verifies drafts also runs
 the verification rule and builds the drafts' metadata; what it took beyond the

@@ -51,14 +51,8 @@ halved by each round that accepted), so that under steady load a drafter that
 does not pay, such as early exit on chat, is not probed again by every new
 request (it was: 0.93x of plain at 4 requests in flight).
 
-Planning itself costs a few microseconds of Python per request and step (the
-drafter's context class, a decision), about 2 ms of a 75 ms step at 64
-requests on the bench machine, where drafts seldom pay. So a batch size whose
-plans keep granting no drafts stops planning for a while, as a class does:
-after ``IDLE_PLANS`` such plans in a row at batch sizes of one power-of-two
-bucket, ``plans_shared`` is False for that bucket for 8, 16, ... 128 steps,
-and the engine does not even ask the drafter for those requests' classes. This
-too depends only on past plans. Isolated requests are always planned.
+Planning itself pauses at batch sizes whose plans keep granting nothing
+(``engine.spec_decode.batch_pause``).
 
 A seeded request is *isolated*: its record starts from the prior, never from
 the pooled rates, and its drafts are priced as if it were alone (``V`` at
@@ -76,14 +70,12 @@ from dataclasses import dataclass, field
 
 from engine import tree, tree_policy
 from engine.config import SpeculativeConfig
+from engine.spec_decode.batch_pause import BatchPauses
 
 PRIOR_ACCEPTANCE = 0.5  # acceptance assumed before a request has any history
 EMA = 0.3  # weight of the newest round in a request's acceptance estimate
 POOLED_EMA = 0.05  # ... and in the estimate pooled over all requests
 MIN_PAUSE, MAX_PAUSE = 8, 256  # steps a request stops drafting after drafts did not pay
-IDLE_PLANS = 8  # plans in a row that granted no drafts before a batch size bucket stops planning
-MIN_BATCH_PAUSE, MAX_BATCH_PAUSE = 8, 128  # steps it then stops for (doubling while plans stay idle)
-MIN_PAUSED_BATCH = 8  # smaller batches always plan: their planning is cheap beside a step
 
 
 def survival(alpha, gamma: int) -> list[float]:
@@ -234,25 +226,10 @@ class Decision:
     expected_tokens: float = 1.0  # tokens the round emits on average, by the estimates it was chosen with
 
 
-@dataclass
-class BatchPause:
-    """Whether the plans at batch sizes of one bucket grant drafts (see the module docstring)."""
-
-    idle: int = 0  # plans in a row that granted no drafts
-    paused_until: int = 0  # step index before which shared requests are not planned
-    pause_len: int = MIN_BATCH_PAUSE
-
-
-def batch_bucket(batch: int) -> int:
-    """Batch sizes whose planning pauses together: 8-15, 16-31, 32-63, ..."""
-    return batch.bit_length()
-
-
 @dataclass(frozen=True)
 class StepPlan:
     decisions: dict[str, Decision]
     batch: int = 0  # decoding requests of the step
-    planned_shared: bool = False  # the requests priced within the batch were planned (not paused)
 
     @property
     def num_draft_slots(self) -> dict[str, int]:
@@ -270,7 +247,7 @@ class SpecPolicy:
         self.step = 0
         self.states: dict[str, SpecState] = {}
         self.pooled: dict[int, ClassState] = {}  # class -> rates over all requests
-        self.batch_pauses: dict[int, BatchPause] = {}  # batch_bucket -> its record
+        self.batch_pauses = BatchPauses()
         k, w, nodes = config.num_speculative_tokens, config.tree_width, config.max_tree_nodes
         static = config.static_tree()
         self.static = [tree_policy.Candidate.of(static)] if static else []
@@ -342,16 +319,15 @@ class SpecPolicy:
             for rid in shared:
                 d = decisions[rid]
                 decisions[rid] = Decision(0, d.context_class, fresh=d.fresh)
-        return StepPlan(decisions, batch, shared_planned)
+        return StepPlan(decisions, batch)
 
     def plans_shared(self, num_running: int) -> bool:
         """Whether a step with ``num_running`` decoding requests plans the requests priced
         within the batch (isolated ones are always planned); False while their bucket is
         paused after idle plans."""
-        if num_running < MIN_PAUSED_BATCH or not self.config.adaptive or self.step_costs.per_request:
+        if not self.config.adaptive or self.step_costs.per_request:
             return True
-        bp = self.batch_pauses.get(batch_bucket(num_running))
-        return bp is None or self.step >= bp.paused_until
+        return self.batch_pauses.plans(self.step, num_running)
 
     def _step_pays(self, drafting: list[Decision], batch: int, rows: int) -> bool:
         """Whether the step's drafts (of the requests priced within the batch) pay as a
@@ -464,15 +440,8 @@ class SpecPolicy:
         """After the step ran with ``plan``: its bucket's record of idle plans (a plan with no
         shared candidate, such as a step of prompts only, does not count), then the next step."""
         shared = [d for d in plan.decisions.values() if not d.isolated] if plan is not None else []
-        if shared and plan.planned_shared and plan.batch >= MIN_PAUSED_BATCH:
-            bp = self.batch_pauses.setdefault(batch_bucket(plan.batch), BatchPause())
-            if any(d.num_draft_slots for d in shared):
-                bp.idle, bp.pause_len = 0, MIN_BATCH_PAUSE
-            else:
-                bp.idle += 1
-                if bp.idle >= IDLE_PLANS:
-                    bp.idle, bp.paused_until = 0, self.step + 1 + bp.pause_len
-                    bp.pause_len = min(2 * bp.pause_len, MAX_BATCH_PAUSE)
+        if shared:  # none while the bucket is paused
+            self.batch_pauses.record(self.step, plan.batch, any(d.num_draft_slots for d in shared))
         self.step += 1
 
     def free(self, request_id: str) -> SpecState | None:

@@ -7,7 +7,8 @@ import copy
 from engine import SamplingParams
 from engine.config import SpeculativeConfig
 from engine.llm_engine import LLMEngine
-from engine.spec_decode.policy import IDLE_PLANS, MIN_BATCH_PAUSE, Candidate, ClassState, SpecPolicy, StepCosts
+from engine.spec_decode.batch_pause import IDLE_PLANS, MIN_BATCH_PAUSE
+from engine.spec_decode.policy import Candidate, ClassState, SpecPolicy, StepCosts
 from tests.conftest import engine_config
 
 

@@ -3,9 +3,8 @@
 import pytest
 
 from engine.config import SpeculativeConfig
+from engine.spec_decode.batch_pause import IDLE_PLANS, MIN_BATCH_PAUSE
 from engine.spec_decode.policy import (
-    IDLE_PLANS,
-    MIN_BATCH_PAUSE,
     Candidate,
     ClassState,
     SpecPolicy,
