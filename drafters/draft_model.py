@@ -36,6 +36,11 @@ from kvcache.manager import slot_mapping
 from kvcache.tensors import KVSpec, PagedKV, move_slots
 
 
+def chain_draft(tokens: list[int], qs: list[torch.Tensor | None]) -> Draft:
+    """A chain from ``_sample``'s tokens and q's (None throughout for a greedy request)."""
+    return Draft(tokens, None if qs[0] is None else torch.stack(qs))
+
+
 class SamplingDrafter(Drafter):
     """A drafter that samples each draft from a model's processed distribution q."""
 
@@ -46,10 +51,12 @@ class SamplingDrafter(Drafter):
         self.generators: dict[str, torch.Generator] = {}
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], drafts: dict[str, list[int]]):
-        """logits [n, vocab], one row per request -> (q [n, vocab], one draft token per request).
+        """logits [n, vocab], one row per request -> (q per request, one draft token per request).
 
-        q is processed with each request's own settings, its earlier drafts in the context,
-        over the tokens its grammar allows after them (if it has one).
+        q [vocab] is processed with each request's own settings, its earlier drafts in the
+        context, over the tokens its grammar allows after them (if it has one). A greedy
+        request gets None: its draft is the argmax, q one-hot there, and verification
+        compares argmaxes only (an all-greedy batch so draws no noise and builds no q).
         """
         batch = build_sampling_batch(
             requests,
@@ -59,10 +66,13 @@ class SamplingDrafter(Drafter):
             [tuple(drafts[r.request_id]) for r in requests],
         )
         logits = mask_logits(logits, requests, [drafts[r.request_id] for r in requests])
+        tokens = penalized_logits(logits, batch).argmax(-1)
+        if batch.all_greedy:
+            return [None] * len(requests), tokens.tolist()
         q = processed_probs(logits, batch)
         sampled = (q / exponential_noise(q.shape, batch.generators, self.device)).argmax(-1)
-        tokens = torch.where(batch.greedy, penalized_logits(logits, batch).argmax(-1), sampled)
-        return q, tokens.tolist()
+        tokens = torch.where(batch.greedy, tokens, sampled)
+        return [None if r.params.greedy else q[i] for i, r in enumerate(requests)], tokens.tolist()
 
     def _distributions(self, logits: torch.Tensor, requests: list[Request], prefixes: list[tuple[int, ...]]):
         """(q, penalized logits) [n, vocab] of each row, after the drafts ``prefixes[i]``."""
@@ -135,7 +145,7 @@ class ModelDrafter(SamplingDrafter):
         live = [s for s in slots if s.num_tokens > 0]
         feeds = {s.request.request_id: s.request.token_ids[len(self._cached(s.request)) :] for s in live}
         drafts: dict[str, list[int]] = {s.request.request_id: [] for s in live}
-        probs: dict[str, list[torch.Tensor]] = {s.request.request_id: [] for s in live}
+        probs: dict[str, list[torch.Tensor | None]] = {s.request.request_id: [] for s in live}
         for step in range(max((s.num_tokens for s in live), default=0)):
             live = [s for s in live if len(drafts[s.request.request_id]) < s.num_tokens]
             live = [s for s in live if self._reserve(s.request, feeds[s.request.request_id])]
@@ -148,7 +158,7 @@ class ModelDrafter(SamplingDrafter):
                 drafts[rid].append(tokens[i])
                 probs[rid].append(q[i])
                 feeds[rid] = [tokens[i]]
-        return {rid: Draft(toks, torch.stack(probs[rid])) for rid, toks in drafts.items() if toks}
+        return {rid: chain_draft(toks, probs[rid]) for rid, toks in drafts.items() if toks}
 
     def _cached(self, request: Request) -> list[int]:
         return self.cached.setdefault(request.request_id, [])
@@ -158,7 +168,7 @@ class ModelDrafter(SamplingDrafter):
         return self.kv.allocate_slots(rid, len(self.cached[rid]) + len(feed))
 
     def _draft_step(self, live: list[DraftSlot], feeds, drafts):
-        """One batched forward of the draft model; q [n, vocab] and one sampled token per request."""
+        """One batched forward of the draft model; ``_sample``'s q and token per request."""
         specs, ids, positions = [], [], []
         for s in live:
             rid = s.request.request_id

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from engine.spec_decode.drafter import Draft, DraftSlot
-from drafters.draft_model import SamplingDrafter
+from drafters.draft_model import SamplingDrafter, chain_draft
 from drafters.eagle_head import EagleHead, load_eagle_head
 from drafters.tree_drafting import GrowingTree, grow_trees
 from engine import tree
@@ -130,7 +130,7 @@ class EagleDrafter(SamplingDrafter):
 
     def _chains(self, live: list[DraftSlot]) -> dict[str, Draft]:
         drafts: dict[str, list[int]] = {s.request.request_id: [] for s in live}
-        probs: dict[str, list[torch.Tensor]] = {s.request.request_id: [] for s in live}
+        probs: dict[str, list[torch.Tensor | None]] = {s.request.request_id: [] for s in live}
         hidden = None  # [n, H] the head's last output per live request
         for step in range(max((s.num_tokens for s in live), default=0)):
             keep = [i for i, s in enumerate(live) if len(drafts[s.request.request_id]) < s.num_tokens]
@@ -146,7 +146,7 @@ class EagleDrafter(SamplingDrafter):
                 drafts[s.request.request_id].append(tokens[i])
                 probs[s.request.request_id].append(q[i])
             hidden = out
-        return {rid: Draft(toks, torch.stack(probs[rid])) for rid, toks in drafts.items() if toks}
+        return {rid: chain_draft(toks, probs[rid]) for rid, toks in drafts.items() if toks}
 
     def _has_pending(self, rid: str) -> bool:
         st = self.states.get(rid)

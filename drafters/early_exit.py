@@ -21,7 +21,7 @@ the last committed token and the tree so far, node ``i`` in the slot of offset
 
 import torch
 
-from drafters.draft_model import SamplingDrafter
+from drafters.draft_model import SamplingDrafter, chain_draft
 from drafters.tree_drafting import grow_trees
 from engine import tree
 from engine.attention import SeqSpec, build_attention_metadata
@@ -62,7 +62,7 @@ class EarlyExitDrafter(SamplingDrafter):
     def _chains(self, slots: list[DraftSlot]) -> dict[str, Draft]:
         t = lambda a: torch.tensor(a, dtype=torch.long, device=self.device)  # noqa: E731
         drafts: dict[str, list[int]] = {s.request.request_id: [] for s in slots}
-        probs: dict[str, list[torch.Tensor]] = {s.request.request_id: [] for s in slots}
+        probs: dict[str, list[torch.Tensor | None]] = {s.request.request_id: [] for s in slots}
         for step in range(max((s.num_tokens for s in slots), default=0)):
             live = [s for s in slots if step < s.num_tokens]
             fed = [drafts[s.request.request_id][-1] if step else s.request.token_ids[-1] for s in live]
@@ -75,7 +75,7 @@ class EarlyExitDrafter(SamplingDrafter):
             for i, s in enumerate(live):
                 drafts[s.request.request_id].append(tokens[i])
                 probs[s.request.request_id].append(q[i])
-        return {rid: Draft(toks, torch.stack(probs[rid])) for rid, toks in drafts.items() if toks}
+        return {rid: chain_draft(toks, probs[rid]) for rid, toks in drafts.items() if toks}
 
 
 def _cost_per_token(target, num_layers: int) -> float:
