@@ -1,9 +1,9 @@
 """``specserve train-eagle``: trains an EAGLE-3 head for a target on the CPU.
 
-Data: self-distillation. The target answers 2,000 chat prompts written here (twelve
-templates over 150 subjects of science, history, the arts and economics, and fifty small
-coding tasks in four languages) greedily, ``answer_tokens`` each, with the engine,
-once (kept for resumed runs); the chats are cut into sequences of ``seq_len`` tokens.
+Data: self-distillation. The target answers about 2,000 chat prompts
+(``drafters.eagle_prompts``: explanations, writing, role play, reasoning, extraction and
+code) greedily, ``answer_tokens`` each, with the engine, once (kept for resumed runs);
+the chats are cut into sequences of ``seq_len`` tokens.
 The head so learns the text it will draft: the target's own. Every twentieth chat is
 held out: the head's top-1 agreement with the target on those is logged every
 ``eval_every`` steps, the measure of how it drafts text it has not seen (with a few
@@ -21,6 +21,8 @@ the target's pairs ``(f_b, t_{b+1})``, predicting ``t_{b+2}``; step j feeds the 
 own output of step j - 1 with token ``t_{b+1+j}`` at position ``b + j``, attending to the
 step-0 keys up to b and to its own chain's keys of steps 1 .. j, as drafting does.
 Each step's soft cross-entropy against the target's distribution, weighted 0.8^j.
+The learning rate warms up over ``warmup`` steps, then follows a cosine from ``lr`` down
+to a tenth of it over the run's time budget (a resumed run starts the cosine afresh).
 
 Every ``save_every`` steps the head is written in the published EAGLE-3 format (the
 loader reads it), with ``train/state.safetensors`` (weights, Adam moments, step) and
@@ -38,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from drafters.eagle_head import EagleHead, save_eagle_head
+from drafters.eagle_prompts import distillation_prompts
 
 
 @dataclass(frozen=True)
@@ -57,82 +60,6 @@ class TrainConfig:
     eval_every: int = 100
     eval_sequences: int = 32  # held-out sequences the agreement is measured on
     seed: int = 0
-
-
-# Prompts for self-distillation: the target answers them and the head learns from the
-# answers (written for this module; no benchmark's questions).
-SUBJECTS = (
-    "photosynthesis", "black holes", "the French Revolution", "supply and demand", "the immune system",
-    "plate tectonics", "the Roman Empire", "machine learning", "climate change", "the printing press",
-    "quantum mechanics", "the water cycle", "Shakespeare's plays", "the stock market", "DNA replication",
-    "the Industrial Revolution", "volcanoes", "democracy", "the human brain", "renewable energy",
-    "ancient Egypt", "probability", "the solar system", "impressionist painting", "vaccines",
-    "the Cold War", "electricity", "philosophy of mind", "ocean currents", "the Renaissance",
-    "inflation", "evolution by natural selection", "the internet", "Greek mythology", "nutrition",
-    "the theory of relativity", "world religions", "chemical bonds", "urban planning", "jazz music",
-    "the Silk Road", "sleep", "cryptography", "ethics", "rainforests", "the Moon landing",
-    "linear algebra", "public health", "the novel as a literary form", "earthquakes",
-    "thermodynamics", "the periodic table", "cell division", "the nervous system", "antibiotics",
-    "genetics", "the speed of light", "magnetism", "nuclear energy", "the greenhouse effect",
-    "the human heart", "bacteria and viruses", "the Big Bang", "gravity", "sound waves",
-    "the chemistry of cooking", "batteries", "the carbon cycle", "coral reefs", "deserts",
-    "glaciers", "weather forecasting", "the atmosphere", "soil", "bees and pollination",
-    "calculus", "statistics", "prime numbers", "geometry", "game theory",
-    "algorithms", "databases", "operating systems", "computer networks", "artificial intelligence",
-    "robotics", "space exploration", "telescopes", "the history of medicine", "the scientific method",
-    "the American Revolution", "World War I", "World War II", "the Ottoman Empire", "the Mongol Empire",
-    "ancient Greece", "the Maya civilization", "feudalism", "the Reformation", "colonialism",
-    "the civil rights movement", "the fall of the Berlin Wall", "the history of writing", "the Enlightenment",
-    "the Byzantine Empire", "existentialism", "Stoicism", "utilitarianism", "free will", "the social contract",
-    "poetry", "Greek tragedy", "the history of film", "classical music", "architecture",
-    "photography", "the Baroque period", "modern art", "mythology in literature", "storytelling",
-    "globalization", "international trade", "taxation", "unemployment", "central banks",
-    "entrepreneurship", "marketing", "personal finance", "cryptocurrency", "the gig economy",
-    "psychology of learning", "memory", "motivation", "language acquisition", "social media",
-    "education systems", "human rights", "the United Nations", "journalism", "copyright law",
-    "sustainable agriculture", "water scarcity", "biodiversity", "recycling", "electric cars",
-    "the history of mathematics", "the Olympic Games", "the history of chess", "archaeology", "linguistics",
-)
-TEMPLATES = (
-    "Explain {} to a beginner.",
-    "What are the most important ideas about {}?",
-    "Write a short essay about {}.",
-    "Give five interesting facts about {}.",
-    "How does {} affect everyday life?",
-    "Describe the history of {}.",
-    "What are common misconceptions about {}?",
-    "Write a lesson plan for teaching {}.",
-    "What are the main arguments for and against {}?",
-    "Summarize what a student should know about {}.",
-    "Write a blog post about {}.",
-    "What questions do researchers still ask about {}?",
-)
-CODING_TASKS = (
-    "reverses a string", "checks whether a number is prime", "merges two sorted lists", "counts word frequencies",
-    "computes Fibonacci numbers", "finds the longest common prefix", "validates an email address",
-    "flattens a nested list", "implements binary search", "parses a CSV line", "removes duplicates from a list",
-    "computes the factorial of n", "checks for balanced parentheses", "converts Celsius to Fahrenheit",
-    "finds the median of a list", "implements a stack class", "transposes a matrix", "sorts a dictionary by value",
-    "computes the greatest common divisor", "reads a file and counts its lines",
-    "checks whether a string is a palindrome", "implements a queue with two stacks", "finds the maximum subarray sum",
-    "implements bubble sort", "implements quicksort", "implements merge sort", "counts the vowels in a string",
-    "converts a decimal number to binary", "finds all anagrams of a word in a list", "implements a linked list",
-    "computes the power set of a set", "finds the shortest path in a graph", "implements a binary search tree",
-    "rotates an array by k positions", "checks whether two strings are anagrams", "finds the second largest number",
-    "implements a simple calculator", "generates all permutations of a list", "computes the edit distance of two strings",
-    "capitalizes the first letter of each word", "finds the most common element in a list", "implements an LRU cache",
-    "computes the sum of the digits of a number", "checks whether a year is a leap year", "implements depth-first search",
-    "implements breadth-first search", "multiplies two matrices", "finds prime numbers with a sieve",
-    "converts a Roman numeral to an integer", "finds the intersection of two lists",
-)
-LANGUAGES = ("Python", "JavaScript", "C++", "Java")
-
-
-def distillation_prompts() -> list[str]:
-    """Chat prompts: every template over every subject, and coding tasks in three languages."""
-    prompts = [t.format(s) for s in SUBJECTS for t in TEMPLATES]
-    prompts += [f"Write a {lang} function that {task}." for task in CODING_TASKS for lang in LANGUAGES]
-    return prompts
 
 
 def self_distilled(path, max_tokens: int, out: Path) -> list[list[int]]:
@@ -328,7 +255,7 @@ def train(cfg: TrainConfig) -> Path:
         batch = torch.tensor([sequences[i] for i in idx])  # [B, N]
         feats, target_p = labels.batch(idx)
         for group in opt.param_groups:
-            group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
+            group["lr"] = learning_rate(cfg, step, (time.monotonic() - start) / (cfg.minutes * 60))
         loss, accs = ttt_loss(head, feats, batch, target_p, cfg.ttt_steps)
         opt.zero_grad()
         loss.backward()
@@ -351,6 +278,13 @@ def train(cfg: TrainConfig) -> Path:
     log["elapsed_s"] = spent + time.monotonic() - start
     _save(out, head, opt, draft_ids, log)
     return out
+
+
+def learning_rate(cfg: TrainConfig, step: int, spent: float) -> float:
+    """Linear warm-up over ``cfg.warmup`` steps, then a cosine from ``cfg.lr`` to a tenth of
+    it as ``spent`` (the share of the time budget used) goes from 0 to 1."""
+    cosine = 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, spent)))
+    return cfg.lr * min(1.0, (step + 1) / cfg.warmup) * cosine
 
 
 @torch.no_grad()

@@ -98,13 +98,27 @@ def test_training_step_zero_computes_what_drafting_computes():
     torch.testing.assert_close(-(probs[:, 1:] * logp).sum(-1).mean(), loss.detach(), rtol=1e-4, atol=1e-4)
 
 
-def test_distillation_prompts_are_distinct_and_the_corpus_cuts_the_chats_in_order():
-    from drafters.eagle_train import corpus, distillation_prompts
+def test_distillation_prompts_are_distinct_span_the_kinds_of_chat_and_the_corpus_cuts_the_chats_in_order():
+    from drafters.eagle_prompts import distillation_prompts
+    from drafters.eagle_train import corpus
 
     prompts = distillation_prompts()
-    assert len(prompts) == len(set(prompts)) == 2000
+    assert len(prompts) == len(set(prompts)) == 2055
+    for start in ("Explain ", "Compose a short poem", "Pretend you are", "Solve the equation", "Summarize the following",
+                  "Write a C++ function"):
+        assert sum(p.startswith(start) for p in prompts) >= 10, start
     chats = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     assert corpus(chats, 4) == [[1, 2, 3, 4], [5, 6, 7, 8]]  # the last, short piece is dropped
+
+
+def test_the_learning_rate_warms_up_then_falls_along_a_cosine_to_a_tenth():
+    from drafters.eagle_train import TrainConfig, learning_rate
+
+    cfg = TrainConfig(out="unused", lr=1e-3, warmup=10)
+    assert learning_rate(cfg, 0, 0.0) == pytest.approx(1e-4)  # step 1 of 10 of the warm-up
+    assert learning_rate(cfg, 9, 0.0) == pytest.approx(1e-3)
+    assert learning_rate(cfg, 500, 0.5) == pytest.approx(0.55e-3)
+    assert learning_rate(cfg, 900, 1.0) == learning_rate(cfg, 900, 1.7) == pytest.approx(1e-4)
 
 
 def test_label_cache_gives_the_targets_labels_and_keeps_them():
