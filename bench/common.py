@@ -117,3 +117,12 @@ def write_report(name: str, title: str, body: str, command: str) -> Path:
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     path.write_text(f"# {title}\n\n{stamp}; {machine()}\n\nCommand: `{command}`\n\n{body}\n")
     return path
+
+
+def rotated(items: list, r: int) -> list:
+    """``items`` rotated by ``r`` places: over ``len(items)`` rounds each item runs once in
+    each place (a server runs a few percent slower right after another's wave; a
+    reversal every other round balances two servers, but keeps a middle one of three
+    always second)."""
+    r %= max(1, len(items))
+    return items[r:] + items[:r]

@@ -9,7 +9,7 @@ concurrency ``c``, a wave of ``c * --requests-per-worker`` streamed chat request
 ones for every server) is sent by ``c`` workers, each sending its next request as
 soon as its last one ended (vLLM's ``--max-concurrency``: the batch stays full
 until the wave's tail, as under steady load), to each server in turn (the
-order reversed every other round), ``--rounds`` times, so that the machine's
+order rotated each round), ``--rounds`` times, so that the machine's
 drifting speed hits every server alike; measured from the client:
 total output tokens/s (median over rounds), and per request the inter-token
 latency (gap between output events over the tokens they carried, p50 over
@@ -27,7 +27,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from bench.common import RESULTS, markdown_table, round_robin_chat, write_report
+from bench.common import RESULTS, markdown_table, rotated, round_robin_chat, write_report
 from bench.server_procs import serve
 from bench.sse_client import chat_body, stream_chat
 
@@ -78,16 +78,15 @@ def summarize(waves: list[dict]) -> dict:
 
 def sweep(urls: dict[str, str], levels: list[int], prompts: list[str], max_tokens: int, rounds: int,
           per_worker: int) -> dict:
-    """Each concurrency, each round: one wave to each server in turn, the order reversed
-    every other round (a wave runs a few percent slower right after another server's)."""
+    """Each concurrency, each round: one wave to each server in turn, the order rotated
+    each round (``bench.common.rotated``)."""
     for url in urls.values():
         asyncio.run(wave(url, prompts[:2], 2, 8))  # warm-up
     out = {name: {} for name in urls}
     for c in levels:
         waves = {name: [] for name in urls}
         for r in range(rounds):
-            order = list(urls.items())
-            for name, url in order if r % 2 == 0 else order[::-1]:  # no server always goes first
+            for name, url in rotated(list(urls.items()), r):  # each server takes each place in turn
                 waves[name].append(asyncio.run(wave(url, prompts[: c * per_worker], c, max_tokens)))
         for name in urls:
             r = out[name][c] = summarize(waves[name])
@@ -117,7 +116,7 @@ def report(results: dict, levels: list[int], command: str, max_tokens: int, per_
         body += f"\n\n{m}: worst ratio to plain (throughput or p50 ITL) {worst[m]:.2f} -> **{verdict}** (floor {FLOOR})"
     body += (f"\n\nEach concurrency c: a wave of {per_worker} c streamed chat requests, greedy, {max_tokens} "
              "tokens with ignore_eos, sent by c workers that each send their next request as soon as their "
-             "last one ended (vLLM's --max-concurrency), to every server in turn (all up at once; the order reversed every other round), in rounds; "
+             "last one ended (vLLM's --max-concurrency), to every server in turn (all up at once; the order rotated each round), in rounds; "
              "throughput is the median over rounds. ITL: the gap between output events divided by the tokens "
              "they carried, p50 over all gaps of the wave. Ratios above 1 mean speculation on is better. "
              "Client: bench.sse_client.\n\n![sweep](load_sweep.png)")

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import RESULTS, markdown_table, round_robin_chat, run_at_once, spec_bench, write_report
+from bench.common import RESULTS, markdown_table, rotated, round_robin_chat, run_at_once, spec_bench, write_report
 from bench.server_procs import free_port, stop
 
 MAX_TOKENS = 128
@@ -145,14 +145,14 @@ def conversation_prompt() -> str:
 
 def measure(urls: dict[str, str], chat_ps: list[str], copy_ps: list[str], conc_ps: list[str], rounds: int) -> dict:
     """Every server is up at once and each request goes to each server in turn (per prompt,
-    per round; the order reversed every other round), so that a drift of the machine's
+    per round; the order rotated each round), so that a drift of the machine's
     speed over the run hits them all alike."""
     for url in urls.values():
         chat(url, [{"role": "user", "content": "Say hello."}], 8)  # warm-up, not counted
     speed = {n: {"chat": [], "copy": [], "c16": []} for n in urls}
     texts: dict[str, list[str]] = {n: [] for n in urls}
     for rnd in range(rounds):
-        order = list(urls.items())[:: -1 if rnd % 2 else 1]  # no server always goes first
+        order = rotated(list(urls.items()), rnd)  # each server takes each place in turn
         for group, ps in (("chat", chat_ps), ("copy", copy_ps)):
             for p in ps:
                 for n, url in order:
