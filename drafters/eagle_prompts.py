@@ -51,6 +51,9 @@ EXPLAIN = (
     "How does {} affect everyday life?",
     "What are the main arguments for and against {}?",
     "What questions do researchers still ask about {}?",
+    "Give five interesting facts about {}.",
+    "Summarize what a student should know about {}.",
+    "What are the most important ideas about {}?",
 )
 WRITING = (
     "Write a persuasive essay arguing that {} deserves more attention in schools.",
@@ -116,10 +119,10 @@ EXTRACT = (
 
 
 def distillation_prompts() -> list[str]:
-    """About 2,000 distinct prompts: explanations (900), writing (400), role play (200),
+    """About 2,500 distinct prompts: explanations (1,350), writing (400), role play (200),
     reasoning and arithmetic (200), extraction (156), code (200)."""
     prompts = [t.format(s) for s in SUBJECTS for t in EXPLAIN]
-    prompts += [WRITING[(3 * i + j) % len(WRITING)].format(s) for i, s in enumerate(SUBJECTS[:133]) for j in range(3)][:400]
+    prompts += [WRITING[(3 * i + j) % len(WRITING)].format(s) for i, s in enumerate(SUBJECTS[:134]) for j in range(3)][:400]
     prompts += [f"Pretend you are {r}. {q}" for r in ROLES for q in ROLE_QUESTIONS]
     prompts += reasoning_prompts(200)
     prompts += extraction_prompts()

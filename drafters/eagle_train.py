@@ -1,20 +1,16 @@
 """``specserve train-eagle``: trains an EAGLE-3 head for a target on the CPU.
 
-Data: self-distillation. The target answers about 2,000 chat prompts
-(``drafters.eagle_prompts``: explanations, writing, role play, reasoning, extraction and
-code) greedily, ``answer_tokens`` each, with the engine, once (kept for resumed runs);
-the chats are cut into sequences of ``seq_len`` tokens.
-The head so learns the text it will draft: the target's own. Every twentieth chat is
-held out: the head's top-1 agreement with the target on those is logged every
-``eval_every`` steps, the measure of how it drafts text it has not seen (with a few
-hundred thousand tokens, agreement on the training text runs far ahead of it).
-Labels are the target's too: for every batch the target runs once (no gradient) and
-gives the three features the head reads and its next-token distribution, restricted to
-the draft vocabulary (the ``draft_vocab`` most frequent tokens of the corpus) and
-renormalized.
-
-The target's labels of a sequence are computed the first time it is drawn and kept
-(``LabelCache``): later epochs cost the head's passes only.
+Data: self-distillation (``drafters.eagle_data``). The target answers about 2,500 chat
+prompts (``drafters.eagle_prompts``: explanations, writing, role play, reasoning,
+extraction and code) greedily, ``answer_tokens`` each, once (kept for resumed runs), and
+gives at every token, while it writes, the three features the head reads and its
+next-token distribution; training restricts that to the draft vocabulary (the
+``draft_vocab`` most frequent tokens of the chats) and renormalizes. The head so
+learns the text it will draft: the target's own. The chats, end to end, are cut into
+sequences of ``seq_len`` tokens (``Windows``). Every twentieth chat is held out: the
+head's top-1 agreement with the target on those is logged every ``eval_every`` steps,
+the measure of how it drafts text it has not seen (with a few hundred thousand
+tokens, agreement on the training text runs far ahead of it).
 
 Loss: EAGLE-3's training-time test over ``ttt_steps`` steps. Step 0 is the head over
 the target's pairs ``(f_b, t_{b+1})``, predicting ``t_{b+2}``; step j feeds the head's
@@ -39,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from drafters.eagle_data import Distilled, distill
 from drafters.eagle_head import EagleHead, save_eagle_head
 from drafters.eagle_prompts import distillation_prompts
 
@@ -52,7 +49,7 @@ class TrainConfig:
     batch_size: int = 4
     seq_len: int = 256
     draft_vocab: int = 8192
-    answer_tokens: int = 256  # the target's answer per distillation prompt
+    answer_tokens: int = 192  # the target's answer per distillation prompt, at most
     ttt_steps: int = 3
     lr: float = 1e-3
     warmup: int = 10
@@ -62,39 +59,73 @@ class TrainConfig:
     seed: int = 0
 
 
-def self_distilled(path, max_tokens: int, out: Path) -> list[list[int]]:
-    """Each prompt in the chat template followed by the target's own greedy answer
-    (``max_tokens`` at most), generated once with the engine and kept in
-    ``out/train/distilled.json`` for resumed runs."""
-    file = out / "train" / "distilled.json"
+def distilled(target, path, cfg: TrainConfig, out: Path) -> Distilled:
+    """The chats of ``drafters.eagle_data`` (the distillation prompts in the chat template and
+    the target's answers, with features and labels), made once and kept in
+    ``out/train/distilled.safetensors`` for resumed runs."""
+    from tqdm import tqdm
+
+    from engine.llm_engine import _eos_ids
+    from engine.loader import load_tokenizer
+
+    file = out / "train" / "distilled.safetensors"
     if file.is_file():
-        return json.loads(file.read_text())
-    from engine import LLM, SamplingParams
-
-    llm = LLM(str(path), max_model_len=1024, max_num_seqs=128)
-    prompts = [
-        llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-        for p in distillation_prompts()
-    ]
-    ids = [llm.engine.tokenize(p) for p in prompts]
-    outputs = llm.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0))
-    chats = [o.prompt_token_ids + o.token_ids for o in outputs]
+        return Distilled.load(file)
+    tok = load_tokenizer(path)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+               for p in distillation_prompts()]
+    prompts = [p["input_ids"] if hasattr(p, "keys") else p for p in prompts]  # transformers 5 returns an encoding
+    bar = tqdm(total=len(prompts), desc="distill (the target answers)", unit="prompt")
+    data = distill(target, prompts, cfg.answer_tokens, feature_layers(target), _eos_ids(target.config, tok),
+                   progress=bar.update)
+    bar.close()
     file.parent.mkdir(parents=True, exist_ok=True)
-    file.write_text(json.dumps(chats))
-    return chats
+    data.save(file)
+    return data
 
 
-def corpus(chats: list[list[int]], seq_len: int) -> list[list[int]]:
-    """The chats one after another, cut into sequences of ``seq_len`` tokens."""
-    tokens = [t for c in chats for t in c]
-    return [tokens[i : i + seq_len] for i in range(0, len(tokens) - seq_len + 1, seq_len)]
+class Windows:
+    """Training sequences: windows of ``seq_len`` tokens over some chats laid end to end,
+    with their features and the target's distributions over the draft vocabulary."""
+
+    def __init__(self, data: Distilled, chats: list[int], seq_len: int, draft_ids: torch.Tensor, vocab: int):
+        pos = data.positions(chats)
+        n = len(pos) // seq_len
+        self.data, self.index = data, pos[: n * seq_len].view(n, seq_len)  # [n, seq_len] token positions
+        self.to_draft = torch.full((vocab,), -1, dtype=torch.long)  # target id -> draft id, -1: none
+        self.to_draft[draft_ids] = torch.arange(len(draft_ids))
+        self.num_draft = len(draft_ids)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def tokens(self, idx: list[int]) -> torch.Tensor:
+        """[B, seq_len] token ids of sequences ``idx``."""
+        return self.data.tokens[self.index[idx]]
+
+    def batch(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> tokens [B, N], features [B, N, F] and the target's next-token distributions
+        over the draft vocabulary [B, N, D] (its kept likeliest tokens that are in it,
+        renormalized) of sequences ``idx``."""
+        pos = self.index[idx]
+        ids = self.to_draft[self.data.top_ids[pos].long()]  # [B, N, TOP]; -1: not in the draft vocabulary
+        p = self.data.top_p[pos].float() * (ids >= 0)
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
+        dense = torch.zeros(*pos.shape, self.num_draft).scatter_add_(2, ids.clamp_min(0), p)
+        return self.data.tokens[pos], self.data.feats[pos].float(), dense
 
 
-def draft_vocabulary(sequences: list[list[int]], vocab: int, size: int) -> torch.Tensor:
-    """The ``size`` most frequent corpus tokens (ties: lower ids first), sorted [size]."""
-    counts = torch.bincount(torch.tensor([t for s in sequences for t in s]), minlength=vocab).double()
+def draft_vocabulary(tokens: torch.Tensor, vocab: int, size: int) -> torch.Tensor:
+    """The ``size`` most frequent of ``tokens`` (ties: lower ids first), sorted [size]."""
+    counts = torch.bincount(tokens, minlength=vocab).double()
     score = counts - torch.arange(vocab, dtype=torch.float64) / vocab  # ties: low ids, the frequent merges
     return score.topk(min(size, vocab)).indices.sort().values
+
+
+def feature_layers(target) -> tuple[int, int, int]:
+    """EAGLE-3's low, middle and high layers of the target (the loader's default)."""
+    L = target.config.num_hidden_layers
+    return 2, L // 2, L - 3
 
 
 def new_head(target, draft_ids: torch.Tensor) -> EagleHead:
@@ -111,7 +142,7 @@ def new_head(target, draft_ids: torch.Tensor) -> EagleHead:
         rope_theta=getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"],
         draft_vocab_size=len(draft_ids), tie_word_embeddings=False,
     )
-    head = EagleHead(head_cfg, "eagle3", target, cfg.max_position_embeddings, (2, L // 2, L - 3))
+    head = EagleHead(head_cfg, "eagle3", target, cfg.max_position_embeddings, feature_layers(target))
     H = cfg.hidden_size
     with torch.no_grad():
         head.draft_to_target.copy_(draft_ids)
@@ -124,20 +155,6 @@ def new_head(target, draft_ids: torch.Tensor) -> EagleHead:
     for p in head.parameters():
         p.requires_grad_(True)
     return head
-
-
-@torch.no_grad()
-def target_labels(target, batch: torch.Tensor, layers, draft_ids, kv, block_size: int):
-    """batch [B, N] -> (features [B, N, 3H], target's next-token probs over the draft vocab [B, N, D])."""
-    from engine.attention import SeqSpec, build_attention_metadata
-
-    B, N = batch.shape
-    per = N // block_size
-    specs = [SeqSpec(0, N, list(range(i * per, (i + 1) * per))) for i in range(B)]
-    meta = build_attention_metadata(specs, block_size)
-    hidden, feats = target(batch.reshape(-1), torch.arange(N).repeat(B), meta, kv, capture=layers)
-    probs = torch.softmax(target.compute_logits(hidden)[:, draft_ids], dim=-1)  # [B*N, D]
-    return feats.view(B, N, -1), probs.view(B, N, -1)
 
 
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
@@ -182,58 +199,31 @@ def ttt_loss(head: EagleHead, feats, tokens, target_p, steps: int):
     return total, accs
 
 
-class LabelCache:
-    """The target's labels of each training sequence, computed once (the target's pass
-    costs most of a step): features kept in bfloat16, the next-token distribution over
-    the draft vocabulary as its ``top`` likeliest tokens, renormalized."""
-
-    def __init__(self, target, sequences: list[list[int]], layers, draft_ids: torch.Tensor, kv, block: int,
-                 top: int = 32):
-        self.target, self.sequences, self.layers, self.draft_ids = target, sequences, layers, draft_ids
-        self.kv, self.block, self.top = kv, block, top
-        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-    def batch(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> features [B, N, F] and target probabilities [B, N, D] of sequences ``idx``."""
-        missing = [i for i in idx if i not in self.kept]
-        per_pass = max(1, self.kv.num_blocks * self.block // len(self.sequences[0]))  # sequences the KV cache holds
-        for start in range(0, len(missing), per_pass):
-            part = missing[start : start + per_pass]
-            feats, probs = target_labels(self.target, torch.tensor([self.sequences[i] for i in part]), self.layers,
-                                         self.draft_ids, self.kv, self.block)
-            p, ids = probs.topk(self.top, dim=-1)
-            for j, i in enumerate(part):
-                self.kept[i] = (feats[j].bfloat16(), ids[j].to(torch.int16), (p[j] / p[j].sum(-1, keepdim=True)).half())
-        feats = torch.stack([self.kept[i][0] for i in idx]).float()
-        ids = torch.stack([self.kept[i][1] for i in idx]).long()
-        p = torch.stack([self.kept[i][2] for i in idx]).float()
-        dense = torch.zeros(*ids.shape[:2], len(self.draft_ids)).scatter_(2, ids, p)
-        return feats, dense
-
-
 def train(cfg: TrainConfig) -> Path:
     """Trains (or resumes) the head in ``cfg.out``; returns that directory."""
     from tqdm import tqdm
 
     from engine.loader import load_model
     from engine.model_store import resolve_model
-    from kvcache.tensors import KVSpec, PagedKV
-    from engine.models.llama import head_dim_of
 
     start = time.monotonic()  # the budget covers the distillation too
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     path = resolve_model(cfg.model)
-    target = load_model(path, torch.float32, torch.device("cpu"), max_positions=cfg.seq_len)
+    target = load_model(path, torch.float32, torch.device("cpu"))
     for p in target.parameters():
         p.requires_grad_(False)
-    chats = self_distilled(path, cfg.answer_tokens, out)
-    sequences = corpus([c for i, c in enumerate(chats) if i % 20 != 19], cfg.seq_len)
-    held_out = corpus(chats[19::20], cfg.seq_len)[: cfg.eval_sequences]
-    gen = torch.Generator().manual_seed(cfg.seed)
-    order = torch.randperm(len(sequences), generator=gen).tolist()
+    data = distilled(target, path, cfg, out)
+    chats = range(len(data.starts) - 1)
+    train_chats, held_chats = [c for c in chats if c % 20 != 19], [c for c in chats if c % 20 == 19]
     state = _load_state(out)
-    draft_ids = state["draft_ids"] if state else draft_vocabulary(sequences, target.config.vocab_size, cfg.draft_vocab)
+    vocab = target.config.vocab_size
+    draft_ids = state["draft_ids"] if state else draft_vocabulary(data.tokens[data.positions(train_chats)], vocab,
+                                                                  cfg.draft_vocab)
+    sequences = Windows(data, train_chats, cfg.seq_len, draft_ids, vocab)
+    held_out = Windows(data, held_chats, cfg.seq_len, draft_ids, vocab)
+    held_out.index = held_out.index[: cfg.eval_sequences]
+    order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     head = new_head(target, draft_ids)
     opt = torch.optim.AdamW([p for p in head.parameters()], lr=cfg.lr, weight_decay=0.0)
     log = {"config": asdict(cfg), "steps": [], "loss": [], "acc": [], "held_out": [], "elapsed_s": 0.0}
@@ -241,19 +231,12 @@ def train(cfg: TrainConfig) -> Path:
         _restore(head, opt, state)
         log = json.loads((out / "train_log.json").read_text())
         log.setdefault("held_out", [])  # logs written before held-out chats were
-    tc = target.config
-    block = 16
-    kv = PagedKV(KVSpec(tc.num_hidden_layers, tc.num_key_value_heads, head_dim_of(tc), block, torch.float32),
-                 cfg.batch_size * cfg.seq_len // block, "cpu")
-    labels = LabelCache(target, sequences, head.feature_layers, draft_ids, kv, block)
-    held_labels = LabelCache(target, held_out, head.feature_layers, draft_ids, kv, block)
     step = log["steps"][-1] + 1 if log["steps"] else 0
     spent = log["elapsed_s"]
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train-eagle", unit="step")
     while step < cfg.max_steps and time.monotonic() - start < cfg.minutes * 60:
         idx = [order[(step * cfg.batch_size + i) % len(order)] for i in range(cfg.batch_size)]
-        batch = torch.tensor([sequences[i] for i in idx])  # [B, N]
-        feats, target_p = labels.batch(idx)
+        batch, feats, target_p = sequences.batch(idx)  # [B, N], [B, N, F], [B, N, D]
         for group in opt.param_groups:
             group["lr"] = learning_rate(cfg, step, (time.monotonic() - start) / (cfg.minutes * 60))
         loss, accs = ttt_loss(head, feats, batch, target_p, cfg.ttt_steps)
@@ -268,12 +251,12 @@ def train(cfg: TrainConfig) -> Path:
         bar.set_postfix(loss=f"{loss.item():.3f}", acc=" ".join(f"{a:.2f}" for a in accs))
         step += 1
         if step % cfg.eval_every == 0:
-            log["held_out"].append([step, agreement(head, held_labels, cfg.ttt_steps)])
+            log["held_out"].append([step, agreement(head, held_out, cfg.ttt_steps)])
         if step % cfg.save_every == 0:
             log["elapsed_s"] = spent + time.monotonic() - start
             _save(out, head, opt, draft_ids, log)
     bar.close()
-    log["held_out"].append([step, agreement(head, held_labels, cfg.ttt_steps)])
+    log["held_out"].append([step, agreement(head, held_out, cfg.ttt_steps)])
     print("held-out top-1 agreement by drafting depth:", " ".join(f"{a:.3f}" for a in log["held_out"][-1][1]))
     log["elapsed_s"] = spent + time.monotonic() - start
     _save(out, head, opt, draft_ids, log)
@@ -288,15 +271,15 @@ def learning_rate(cfg: TrainConfig, step: int, spent: float) -> float:
 
 
 @torch.no_grad()
-def agreement(head: EagleHead, labels: LabelCache, steps: int, batch: int = 4) -> list[float]:
+def agreement(head: EagleHead, windows: "Windows", steps: int, batch: int = 4) -> list[float]:
     """The head's top-1 agreement with the target per training-time-test step over all
-    of ``labels``' sequences (sequences of ``batch`` at a time)."""
-    n = len(labels.sequences)
+    of ``windows``' sequences (sequences of ``batch`` at a time)."""
+    n = len(windows)
     totals = [0.0] * steps
     for start in range(0, n, batch):
         idx = list(range(start, min(n, start + batch)))
-        feats, target_p = labels.batch(idx)
-        accs = ttt_loss(head, feats, torch.tensor([labels.sequences[i] for i in idx]), target_p, steps)[1]
+        tokens, feats, target_p = windows.batch(idx)
+        accs = ttt_loss(head, feats, tokens, target_p, steps)[1]
         totals = [t + a * len(idx) for t, a in zip(totals, accs)]
     return [t / max(1, n) for t in totals]
 

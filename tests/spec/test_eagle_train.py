@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafters.eagle_train import _load_state, _restore, _save, new_head, target_labels, ttt_loss
+from drafters.eagle_train import _load_state, _restore, _save, new_head, ttt_loss
 from engine.models.llama import head_dim_of
 from kvcache.tensors import KVSpec, PagedKV
 from tests.spec.test_eagle import PROMPTS, eagle_engine, run, small_target
@@ -16,12 +16,25 @@ from tests.spec.test_eagle import PROMPTS, eagle_engine, run, small_target
 TRAINED = Path("~/.cache/specserve/heads/SmolLM2-135M-Instruct-eagle3").expanduser()
 
 
+@torch.no_grad()
+def fresh_pass(target, batch: torch.Tensor, layers):
+    """batch [B, N] -> one fresh prefill per row: features [B, N, F], next-token probs [B, N, vocab]."""
+    from engine.attention import SeqSpec, build_attention_metadata
+
+    B, N = batch.shape
+    cfg, per = target.config, -(-N // 16)
+    kv = PagedKV(KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), 16, torch.float32), B * per, "cpu")
+    meta = build_attention_metadata([SeqSpec(0, N, list(range(i * per, (i + 1) * per))) for i in range(B)], 16)
+    hidden, feats = target(batch.reshape(-1), torch.arange(N).repeat(B), meta, kv, capture=layers)
+    return feats.view(B, N, -1), torch.softmax(target.compute_logits(hidden), dim=-1).view(B, N, -1)
+
+
 def batch_and_labels(target, head, seed=0):
+    """Random sequences [2, 32], their features and the target's distributions over the draft vocabulary."""
     batch = torch.randint(0, 16, (2, 32), generator=torch.Generator().manual_seed(seed))
-    cfg = target.config
-    kv = PagedKV(KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), 16, torch.float32), 4, "cpu")
-    feats, probs = target_labels(target, batch, head.feature_layers, head.draft_to_target, kv, 16)
-    return batch, feats, probs
+    feats, probs = fresh_pass(target, batch, head.feature_layers)
+    probs = probs[..., head.draft_to_target]
+    return batch, feats, probs / probs.sum(-1, keepdim=True)
 
 
 def test_training_lowers_the_loss_and_writes_a_head_the_engine_drafts_with(tmp_path):
@@ -98,17 +111,73 @@ def test_training_step_zero_computes_what_drafting_computes():
     torch.testing.assert_close(-(probs[:, 1:] * logp).sum(-1).mean(), loss.detach(), rtol=1e-4, atol=1e-4)
 
 
-def test_distillation_prompts_are_distinct_span_the_kinds_of_chat_and_the_corpus_cuts_the_chats_in_order():
+def test_distillation_prompts_are_distinct_and_span_the_kinds_of_chat():
     from drafters.eagle_prompts import distillation_prompts
-    from drafters.eagle_train import corpus
 
     prompts = distillation_prompts()
-    assert len(prompts) == len(set(prompts)) == 2055
+    assert len(prompts) == len(set(prompts)) == 2506
     for start in ("Explain ", "Compose a short poem", "Pretend you are", "Solve the equation", "Summarize the following",
                   "Write a C++ function"):
         assert sum(p.startswith(start) for p in prompts) >= 10, start
-    chats = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
-    assert corpus(chats, 4) == [[1, 2, 3, 4], [5, 6, 7, 8]]  # the last, short piece is dropped
+
+
+def distilled_chats(target, eos=frozenset()):
+    from drafters.eagle_data import distill
+
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12]]
+    return prompts, distill(target, prompts, 12, (1, 3, 4), set(eos), batch=2)
+
+
+def test_distillation_captures_what_a_fresh_pass_over_each_finished_chat_computes():
+    """Answers decoded greedily a token a pass, three prompts in batches of two; each chat's
+    features and labels as one prefill over the whole chat gives them."""
+    target = small_target()
+    prompts, data = distilled_chats(target)
+    assert data.starts.tolist() == [0, 3 + 12, 3 + 12 + 7 + 12, 3 + 12 + 7 + 12 + 2 + 12]  # 12 answer tokens each
+    for c, prompt in enumerate(prompts):
+        pos = data.positions([c])
+        chat = data.tokens[pos]
+        assert chat[: len(prompt)].tolist() == prompt
+        feats, probs = fresh_pass(target, chat[None], (1, 3, 4))
+        assert (chat[len(prompt) :] == probs[0, len(prompt) - 1 : -1].argmax(-1)).all()  # greedy
+        torch.testing.assert_close(data.feats[pos].float(), feats[0], atol=3e-2, rtol=1e-2)  # bfloat16
+        top = probs[0].topk(data.top_ids.shape[1])
+        assert (data.top_ids[pos] == top.indices).all()
+        torch.testing.assert_close(data.top_p[pos].float(), top.values, atol=1e-3, rtol=1e-3)  # float16
+
+
+def test_a_chat_ends_with_its_eos_and_the_eos_has_features():
+    target = small_target()
+    prompts, free = distilled_chats(target)
+    free_answer = free.tokens[free.positions([1])][len(prompts[1]) :].tolist()
+    eos = free_answer[2]  # chat 1's third answer token
+    _, data = distilled_chats(target, {eos})
+    for c, prompt in enumerate(prompts):
+        answer = data.tokens[data.positions([c])][len(prompt) :].tolist()
+        assert len(answer) == 12 and eos not in answer or answer.index(eos) == len(answer) - 1
+    assert len(data.positions([1])) == len(prompts[1]) + free_answer.index(eos) + 1
+    assert len(data.feats) == len(data.tokens) == len(data.top_ids)
+
+
+def test_windows_cut_the_chats_in_order_with_their_labels_over_the_draft_vocabulary(tmp_path):
+    from drafters.eagle_data import Distilled
+    from drafters.eagle_train import Windows
+
+    target = small_target()
+    _, data = distilled_chats(target)
+    data.save(tmp_path / "d.safetensors")
+    data = Distilled.load(tmp_path / "d.safetensors")
+    draft_ids = torch.arange(0, 16, 2)
+    w = Windows(data, [2, 0], 8, draft_ids, 16)
+    stream = torch.cat([data.tokens[data.positions([2])], data.tokens[data.positions([0])]])  # 14 + 15 tokens
+    assert len(w) == 3
+    tokens, feats, p = w.batch([2, 0])
+    assert tokens.tolist() == [stream[16:24].tolist(), stream[:8].tolist()]
+    pos = torch.cat([data.positions([2]), data.positions([0])])[16:24]
+    torch.testing.assert_close(feats[0], data.feats[pos].float())
+    _, probs = fresh_pass(target, data.tokens[data.positions([0])][None], (1, 3, 4))
+    full = probs[0, 2:10, draft_ids]  # window 2 starts at token 16 of the stream: chat 0's token 2
+    torch.testing.assert_close(p[0], full / full.sum(-1, keepdim=True), atol=2e-3, rtol=2e-3)  # all 16 tokens kept
 
 
 def test_the_learning_rate_warms_up_then_falls_along_a_cosine_to_a_tenth():
@@ -121,34 +190,15 @@ def test_the_learning_rate_warms_up_then_falls_along_a_cosine_to_a_tenth():
     assert learning_rate(cfg, 900, 1.0) == learning_rate(cfg, 900, 1.7) == pytest.approx(1e-4)
 
 
-def test_label_cache_gives_the_targets_labels_and_keeps_them():
-    from drafters.eagle_train import LabelCache
-
-    target = small_target()
-    head = new_head(target, torch.arange(0, 16, 2))
-    batch, feats, probs = batch_and_labels(target, head)
-    cfg = target.config
-    kv = PagedKV(KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), 16, torch.float32), 4, "cpu")
-    cache = LabelCache(target, batch.tolist(), head.feature_layers, head.draft_to_target, kv, 16, top=8)
-    got_feats, got_p = cache.batch([1, 0])
-    torch.testing.assert_close(got_feats, feats[[1, 0]], atol=2e-2, rtol=1e-2)  # kept in bfloat16
-    torch.testing.assert_close(got_p, probs[[1, 0]], atol=1e-3, rtol=1e-3)  # 8 tokens: the whole draft vocabulary
-    assert sorted(cache.kept) == [0, 1]
-    cache.target = None  # a second draw must not run the target again
-    torch.testing.assert_close(cache.batch([0])[1], got_p[1:])
-
-
 def test_held_out_agreement_is_the_mean_over_every_sequence_whatever_the_batching():
-    from drafters.eagle_train import LabelCache, agreement
+    from drafters.eagle_train import Windows, agreement
 
     target = small_target()
     head = new_head(target, torch.arange(0, 16, 2))
-    sequences = torch.randint(0, 16, (3, 32), generator=torch.Generator().manual_seed(3)).tolist()
-    cfg = target.config
-    kv = PagedKV(KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), 16, torch.float32), 8, "cpu")
-    cache = LabelCache(target, sequences, head.feature_layers, head.draft_to_target, kv, 16, top=8)
-    feats, probs = cache.batch([0, 1, 2])
-    whole = ttt_loss(head, feats, torch.tensor(sequences), probs, steps=2)[1]
-    for batch in (1, 2, 3):
-        assert agreement(head, cache, steps=2, batch=batch) == pytest.approx(whole)
-
+    _, data = distilled_chats(target)
+    w = Windows(data, [0, 1, 2], 12, head.draft_to_target, 16)
+    assert len(w) == 4  # 15 + 19 + 14 tokens
+    tokens, feats, probs = w.batch([0, 1, 2, 3])
+    whole = ttt_loss(head, feats, tokens, probs, steps=2)[1]
+    for batch in (1, 2, 3, 4):
+        assert agreement(head, w, steps=2, batch=batch) == pytest.approx(whole)

@@ -1,0 +1,118 @@
+"""``train-eagle``'s data: the target's own greedy answers to the distillation prompts
+(``drafters.eagle_prompts``), with what the head learns from at every token -- the
+features it reads and the target's next-token distribution -- captured while the
+target writes the answers.
+
+A second target pass over the finished chats for those labels cost as much as
+the head's training itself (0.84 s of a 1.9 s step, batches of 4 x 256 tokens),
+and so halved the steps the time budget allows; decoding computes them anyway.
+
+Prompts are prefilled and their answers decoded greedily, one token per chat per
+pass, until EOS or ``max_tokens``, many chats to a pass. Per token: the features
+(``capture`` layers, bfloat16) and the ``TOP`` likeliest next tokens with their
+probabilities over the whole vocabulary (``train`` restricts them to the draft
+vocabulary and renormalizes). A chat's features are those of its own context,
+as when drafting. Kept in ``train/distilled.safetensors`` for resumed runs.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.attention import SeqSpec
+from engine.attention.backends import select_backend
+from engine.models.llama import head_dim_of
+from kvcache.tensors import KVSpec, PagedKV
+
+TOP = 32  # next-token probabilities kept per token
+LABEL_ROWS = 1024  # rows of logits over the vocabulary at a time (a prefill has thousands)
+
+
+@dataclass
+class Distilled:
+    """Chats laid end to end: chat ``c`` is ``tokens[starts[c] : starts[c + 1]]``."""
+
+    tokens: torch.Tensor  # [N] int64
+    starts: torch.Tensor  # [C + 1] int64
+    feats: torch.Tensor  # [N, F] bfloat16: the head's features at each token
+    top_ids: torch.Tensor  # [N, TOP] int32: the target's likeliest next tokens after each token
+    top_p: torch.Tensor  # [N, TOP] float16: their probabilities
+
+    def positions(self, chats: list[int]) -> torch.Tensor:
+        """Positions [n] of the tokens of ``chats``, in that order."""
+        return torch.cat([torch.arange(int(self.starts[c]), int(self.starts[c + 1])) for c in chats])
+
+    def save(self, file: Path) -> None:
+        from safetensors.torch import save_file
+
+        tmp = file.with_suffix(".tmp")
+        save_file({k: getattr(self, k).contiguous() for k in self.__dataclass_fields__}, str(tmp))
+        tmp.replace(file)
+
+    @classmethod
+    def load(cls, file: Path) -> "Distilled":
+        from safetensors.torch import load_file
+
+        return cls(**load_file(str(file)))
+
+
+@torch.no_grad()
+def distill(target, prompts: list[list[int]], max_tokens: int, layers, eos: set[int], batch: int = 128,
+            progress=None) -> Distilled:
+    """Every prompt followed by the target's greedy answer (at most ``max_tokens``, ending
+    at EOS), with features and labels. Up to ``batch`` chats are decoded at once, and a
+    finished chat's place goes to the next prompt in the same pass (continuous batching,
+    as the engine does); ``progress(1)`` as each chat ends."""
+    cfg, block = target.config, 16
+    per = -(-(max(map(len, prompts)) + max_tokens) // block)  # KV blocks per place
+    kv = PagedKV(KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), block, torch.float32),
+                 min(batch, len(prompts)) * per, "cpu")
+    attention = select_backend("auto", torch.device("cpu"), torch.float32)  # the engine's: the C kernels here
+    chats = [(list(p), [], [], []) for p in prompts]  # per prompt: tokens, then features, top ids, top probs in pieces
+    waiting = list(range(len(prompts)))[::-1]
+    feed: dict[int, tuple[int, list[int]]] = {}  # place -> (chat, its tokens of this pass)
+    while waiting or feed:
+        for place in range(min(batch, len(prompts))):
+            if place not in feed and waiting:
+                c = waiting.pop()
+                feed[place] = (c, prompts[c])
+        places = sorted(feed)
+        specs = [SeqSpec(len(chats[feed[q][0]][0]) - len(feed[q][1]), len(feed[q][1]), list(range(q * per, (q + 1) * per)))
+                 for q in places]
+        ids = torch.tensor([t for q in places for t in feed[q][1]])
+        positions = torch.cat([torch.arange(s.context_len, s.context_len + s.query_len) for s in specs])
+        meta = attention.build_metadata(specs, block, torch.device("cpu"))
+        hidden, feats = target(ids, positions, meta, kv, capture=layers)
+        top_p, top_ids = _labels(target, hidden)
+        start = 0
+        for q, s in zip(places, specs):
+            end, c = start + s.query_len, feed[q][0]
+            tokens, f, t, p = chats[c]
+            f.append(feats[start:end].bfloat16())
+            t.append(top_ids[start:end].int())
+            p.append(top_p[start:end].half())
+            answered = len(tokens) - len(prompts[c])
+            if answered >= max_tokens or (answered and tokens[-1] in eos):
+                del feed[q]  # every token of the chat has been through a pass
+                if progress:
+                    progress(1)
+            else:
+                tokens.append(int(top_ids[end - 1, 0]))  # the argmax: greedy
+                feed[q] = (c, tokens[-1:])
+            start = end
+    lengths = torch.tensor([0] + [len(c[0]) for c in chats])
+    return Distilled(
+        tokens=torch.tensor([t for c in chats for t in c[0]]),
+        starts=lengths.cumsum(0),
+        feats=torch.cat([f for c in chats for f in c[1]]),
+        top_ids=torch.cat([i for c in chats for i in c[2]]),
+        top_p=torch.cat([p for c in chats for p in c[3]]),
+    )
+
+
+def _labels(target, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [T, H] -> the ``TOP`` likeliest next tokens after each row: (probs, ids) [T, TOP]."""
+    top = min(TOP, target.config.vocab_size)
+    parts = [torch.softmax(target.compute_logits(h).float(), dim=-1).topk(top, dim=-1) for h in hidden.split(LABEL_ROWS)]
+    return torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts])
