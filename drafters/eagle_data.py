@@ -27,6 +27,7 @@ from kvcache.tensors import KVSpec, PagedKV
 
 TOP = 32  # next-token probabilities kept per token
 LABEL_ROWS = 1024  # rows of logits over the vocabulary at a time (a prefill has thousands)
+PASS_TOKENS = 2048  # most tokens in one pass, as the engine's max_num_batched_tokens
 
 
 @dataclass
@@ -73,10 +74,15 @@ def distill(target, prompts: list[list[int]], max_tokens: int, layers, eos: set[
     waiting = list(range(len(prompts)))[::-1]
     feed: dict[int, tuple[int, list[int]]] = {}  # place -> (chat, its tokens of this pass)
     while waiting or feed:
+        tokens_in_pass = len(feed)  # the decoding chats' one token each
         for place in range(min(batch, len(prompts))):
-            if place not in feed and waiting:
-                c = waiting.pop()
-                feed[place] = (c, prompts[c])
+            if place in feed or not waiting:
+                continue
+            if feed and tokens_in_pass + len(prompts[waiting[-1]]) > PASS_TOKENS:
+                break  # the rest next pass: a pass's activations stay bounded
+            c = waiting.pop()
+            feed[place] = (c, prompts[c])
+            tokens_in_pass += len(prompts[c])
         places = sorted(feed)
         specs = [SeqSpec(len(chats[feed[q][0]][0]) - len(feed[q][1]), len(feed[q][1]), list(range(q * per, (q + 1) * per)))
                  for q in places]
