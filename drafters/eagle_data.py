@@ -70,7 +70,15 @@ def distill(target, prompts: list[list[int]], max_tokens: int, layers, eos: set[
     kv = PagedKV(KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), block, torch.float32),
                  min(batch, len(prompts)) * per, "cpu")
     attention = select_backend("auto", torch.device("cpu"), torch.float32)  # the engine's: the C kernels here
-    chats = [(list(p), [], [], []) for p in prompts]  # per prompt: tokens, then features, top ids, top probs in pieces
+    # Rows are written in place, chat c from row base[c] on: many small tensors kept per pass
+    # between the passes' large ones fragmented the heap (RSS grew 25 MB a pass, out of memory).
+    base = [0]
+    for p in prompts:
+        base.append(base[-1] + len(p) + max_tokens)
+    top = min(TOP, cfg.vocab_size)
+    feats_out = torch.empty(base[-1], len(layers) * cfg.hidden_size, dtype=torch.bfloat16)
+    ids_out, p_out = torch.empty(base[-1], top, dtype=torch.int32), torch.empty(base[-1], top, dtype=torch.float16)
+    chats = [list(p) for p in prompts]
     waiting = list(range(len(prompts)))[::-1]
     feed: dict[int, tuple[int, list[int]]] = {}  # place -> (chat, its tokens of this pass)
     while waiting or feed:
@@ -84,36 +92,35 @@ def distill(target, prompts: list[list[int]], max_tokens: int, layers, eos: set[
             feed[place] = (c, prompts[c])
             tokens_in_pass += len(prompts[c])
         places = sorted(feed)
-        specs = [SeqSpec(len(chats[feed[q][0]][0]) - len(feed[q][1]), len(feed[q][1]), list(range(q * per, (q + 1) * per)))
+        specs = [SeqSpec(len(chats[feed[q][0]]) - len(feed[q][1]), len(feed[q][1]), list(range(q * per, (q + 1) * per)))
                  for q in places]
         ids = torch.tensor([t for q in places for t in feed[q][1]])
         positions = torch.cat([torch.arange(s.context_len, s.context_len + s.query_len) for s in specs])
         meta = attention.build_metadata(specs, block, torch.device("cpu"))
         hidden, feats = target(ids, positions, meta, kv, capture=layers)
         top_p, top_ids = _labels(target, hidden)
-        start = 0
-        for q, s in zip(places, specs):
-            end, c = start + s.query_len, feed[q][0]
-            tokens, f, t, p = chats[c]
-            f.append(feats[start:end].bfloat16())
-            t.append(top_ids[start:end].int())
-            p.append(top_p[start:end].half())
+        rows = torch.cat([torch.arange(base[feed[q][0]] + s.context_len, base[feed[q][0]] + s.context_len + s.query_len)
+                          for q, s in zip(places, specs)])
+        feats_out[rows], ids_out[rows], p_out[rows] = feats.bfloat16(), top_ids.int(), top_p.half()
+        ends = (torch.tensor([s.query_len for s in specs]).cumsum(0) - 1).tolist()
+        for q, end in zip(places, ends):
+            c = feed[q][0]
+            tokens = chats[c]
             answered = len(tokens) - len(prompts[c])
             if answered >= max_tokens or (answered and tokens[-1] in eos):
                 del feed[q]  # every token of the chat has been through a pass
                 if progress:
                     progress(1)
             else:
-                tokens.append(int(top_ids[end - 1, 0]))  # the argmax: greedy
+                tokens.append(int(top_ids[end, 0]))  # the argmax: greedy
                 feed[q] = (c, tokens[-1:])
-            start = end
-    lengths = torch.tensor([0] + [len(c[0]) for c in chats])
+    keep = torch.cat([torch.arange(base[c], base[c] + len(t)) for c, t in enumerate(chats)])
     return Distilled(
-        tokens=torch.tensor([t for c in chats for t in c[0]]),
-        starts=lengths.cumsum(0),
-        feats=torch.cat([f for c in chats for f in c[1]]),
-        top_ids=torch.cat([i for c in chats for i in c[2]]),
-        top_p=torch.cat([p for c in chats for p in c[3]]),
+        tokens=torch.tensor([t for c in chats for t in c]),
+        starts=torch.tensor([0] + [len(c) for c in chats]).cumsum(0),
+        feats=feats_out[keep],
+        top_ids=ids_out[keep],
+        top_p=p_out[keep],
     )
 
 
