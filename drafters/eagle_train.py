@@ -65,7 +65,7 @@ def distilled(target, path, cfg: TrainConfig, out: Path) -> Distilled:
     ``out/train/distilled.safetensors`` for resumed runs."""
     from tqdm import tqdm
 
-    from engine.llm_engine import _eos_ids
+    from engine.llm_engine import eos_token_ids_of
     from engine.loader import load_tokenizer
 
     file = out / "train" / "distilled.safetensors"
@@ -76,7 +76,7 @@ def distilled(target, path, cfg: TrainConfig, out: Path) -> Distilled:
                for p in distillation_prompts()]
     prompts = [p["input_ids"] if hasattr(p, "keys") else p for p in prompts]  # transformers 5 returns an encoding
     bar = tqdm(total=len(prompts), desc="distill (the target answers)", unit="prompt")
-    data = distill(target, prompts, cfg.answer_tokens, feature_layers(target), _eos_ids(target.config, tok),
+    data = distill(target, prompts, cfg.answer_tokens, feature_layers(target), eos_token_ids_of(target.config, tok),
                    progress=bar.update)
     bar.close()
     file.parent.mkdir(parents=True, exist_ok=True)

@@ -83,7 +83,7 @@ class LLMEngine:
         self.drafter, self.policy = self._speculation(config, num_blocks, spec, device, dtype, drafter)
         self.runner.feature_layers = self.drafter.feature_layers if self.drafter else ()
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
-        self.eos_token_ids = _eos_ids(hf_config, tokenizer)
+        self.eos_token_ids = eos_token_ids_of(hf_config, tokenizer)
         self.stat_loggers: list = []  # callables taking each step's StepStats
         self.fault_hook: FaultHook | None = None
         self.step_fallbacks = 0  # 1 when the drafter failed in the current step
@@ -402,7 +402,8 @@ def _cut_to_grammar(drafts: dict, slots: list[DraftSlot]) -> dict:
     return drafts
 
 
-def _eos_ids(hf_config, tokenizer) -> frozenset[int]:
+def eos_token_ids_of(hf_config, tokenizer) -> frozenset[int]:
+    """The tokens that end a generation: the config's ``eos_token_id`` (one or a list) and the tokenizer's."""
     ids = set()
     eos = getattr(hf_config, "eos_token_id", None)
     ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
