@@ -36,7 +36,7 @@ from engine.spec_decode.drafter import Draft, DraftSlot
 from engine.spec_decode.policy import Candidate, SpecPolicy, StepCosts, StepPlan
 from engine.spec_decode.registry import build_drafter
 from engine.stats import EngineSnapshot, StepTimes, make_step_stats
-from engine.tree import depths, is_chain, walk
+from engine.tree import is_chain, walk
 from engine.stop import holdback
 from kvcache import KVCacheManager, blocks_needed
 from kvcache.tensors import KVSpec, PagedKV
@@ -87,7 +87,6 @@ class LLMEngine:
         self.stat_loggers: list = []  # callables taking each step's StepStats
         self.fault_hook: FaultHook | None = None
         self.step_fallbacks = 0  # 1 when the drafter failed in the current step
-        self.draft_timing: tuple[float, int, int] | None = None  # this step's: (seconds, passes, drafting requests)
         self._grammars = None  # engine.grammar.Grammars, built at the first structured request
         log.info("engine ready: %d KV blocks of %d tokens on %s (%s, attention %s); matmul inputs padded to %d rows, "
                  "C matmul kernel up to %d rows%s", num_blocks, spec.block_size, device, dtype, attention.name,
@@ -210,7 +209,7 @@ class LLMEngine:
         else:
             max_rows = min(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs + k)
             costs = measure_step_costs(self.model, self.runner, max_rows, spec.block_size, self.max_model_len)
-            self.cost_tracker = CostTracker(costs, drafter.cost_per_token)
+            self.cost_tracker = CostTracker(costs)
         log.info("speculation: %s, k=%d, draft cost %.3f per token; pass cost by tokens %s",
                  sc.method, k, drafter.cost_per_token,
                  " ".join(f"{r}:{c:.2f}" for r, c in zip(costs.rows, costs.costs)))
@@ -219,7 +218,6 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self.step_fallbacks = 0
-        self.draft_timing = None
         plan = self._plan()
         scheduled = self.scheduler.schedule(plan.num_draft_slots)
         if scheduled.is_empty:
@@ -269,11 +267,7 @@ class LLMEngine:
         try:
             if self.fault_hook:
                 self.fault_hook("drafter", [s.request.request_id for s in slots])
-            t = time.perf_counter()
-            drafts = self.drafter.propose(slots)
-            if drafts:
-                self.draft_timing = (time.perf_counter() - t, max(map(_passes, drafts.values())), len(drafts))
-            return _cut_to_grammar(drafts, slots)
+            return _cut_to_grammar(self.drafter.propose(slots), slots)
         except Exception:  # noqa: BLE001 - speculation is an optimization: decode plainly instead
             log.exception("drafter failed; %d requests decode without drafts this step", len(slots))
             self.step_fallbacks = 1
@@ -347,8 +341,6 @@ class LLMEngine:
             if self.cost_tracker is not None and all(len(s.token_ids) == 1 for s in scheduled.scheduled):
                 rows = scheduled.num_tokens + sum(result.num_drafted.values())  # decode step: last tokens + drafts
                 self.policy.step_costs = self.cost_tracker.observe(rows, times.execute_s, bool(result.num_drafted))
-            if self.cost_tracker is not None and self.draft_timing is not None and self.drafter.cost_per_token > 0:
-                self.policy.c = self.cost_tracker.observe_draft(*self.draft_timing, len(scheduled.scheduled))
         if self.stat_loggers:
             try:  # metrics must never fail the step: its tokens are already committed
                 stats = make_step_stats(self, scheduled, result, touched, times)
@@ -379,11 +371,6 @@ class LLMEngine:
             error=req.error,
             spec=self.spec_summary(req.request_id) if req.is_finished else {},
         )
-
-
-def _passes(draft: Draft) -> int:
-    """Batched drafting passes a draft took: one per draft of a chain, one per depth of a tree."""
-    return len(draft.token_ids) if draft.parents is None else int(depths(draft.parents).max()) + 1
 
 
 def _cut_to_grammar(drafts: dict, slots: list[DraftSlot]) -> dict:

@@ -29,16 +29,6 @@ the verification rule and builds the drafts' metadata; what it took beyond the
 table's prediction for its rows is averaged (same ``alpha``, at least 0) into
 ``verify_fixed``, the fixed cost of a verifying pass that the policy charges a
 step's drafts as a whole (``SpecPolicy._step_pays``).
-
-A model drafter's cost ``c`` (a drafting pass per drafting request, relative to
-a request's share of the target's pass) starts from the drafter's estimate, its
-share of the target's parameters, and is averaged (same ``alpha``) with each
-drafting step's measured one. Prompt lookup names no cost and is not tracked:
-it runs no passes, and its lookups cost next to nothing. The estimate missed what a pass
-costs beyond reading weights: an EAGLE head over 7% of the target's parameters
-took 20% of a step a pass at batch 1 (its sampling, its metadata, its small
-ops), so the policy drafted rounds that did not pay (k = 4 at 0.92x of plain,
-k = 1 at 1.00x).
 """
 
 import bisect
@@ -54,21 +44,21 @@ MAX_RATIO = 2.0  # an observation counts at most as twice (or half) its predicti
 
 
 class CostTracker:
-    def __init__(self, costs: StepCosts, draft_cost: float = 0.0):
-        """``costs``: the start-up table, timed (``one_token_s`` > 0); ``draft_cost``: the
-        drafter's own estimate of ``c``."""
+    def __init__(self, costs: StepCosts):
+        """``costs``: the start-up table, timed (``one_token_s`` > 0)."""
         if costs.one_token_s <= 0:
             raise ValueError("a tracked cost table must be timed (one_token_s > 0)")
         self.rows = costs.rows
         self.seconds = [c * costs.one_token_s for c in costs.costs]
         self.verify_extra_s = 0.0  # what a verifying step took beyond the table (average)
         self.num_observed = 0
-        self.draft_cost = draft_cost
 
     def observe(self, rows: int, seconds: float, verified: bool = False) -> StepCosts:
         """A decode step of ``rows`` tokens (``verified``: some of them drafts) took
         ``seconds``; returns the updated table."""
-        i, w = self._bracket(rows)
+        r = self.rows
+        i = min(max(bisect.bisect_right(r, rows) - 1, 0), len(r) - 2)
+        w = min(max((rows - r[i]) / (r[i + 1] - r[i]), 0.0), 1.0)
         predicted = (1 - w) * self.seconds[i] + w * self.seconds[i + 1]
         self.num_observed += 1
         if verified:
@@ -81,27 +71,6 @@ class CostTracker:
         for j in range(i + 1, len(self.seconds)):
             self.seconds[j] *= above
         return self.table()
-
-    def observe_draft(self, seconds: float, passes: int, drafting: int, batch: int) -> float:
-        """Drafting for ``drafting`` of a step's ``batch`` requests took ``seconds`` in
-        ``passes`` batched passes; returns the updated ``c``, per pass and drafting request
-        in units of a request's share of the target's pass (``T(batch) / batch``, as the
-        policy charges it), at most ``MAX_RATIO``."""
-        observed = min(seconds / passes * batch / (drafting * self._predict(batch)), MAX_RATIO)
-        self.draft_cost += ALPHA * (observed - self.draft_cost)
-        return self.draft_cost
-
-    def _bracket(self, rows: int) -> tuple[int, float]:
-        """``(i, w)``: ``rows`` lies between the table's rows ``i`` and ``i + 1``, at weight ``w``
-        of the way (clipped to the table's ends)."""
-        r = self.rows
-        i = min(max(bisect.bisect_right(r, rows) - 1, 0), len(r) - 2)
-        return i, min(max((rows - r[i]) / (r[i + 1] - r[i]), 0.0), 1.0)
-
-    def _predict(self, rows: int) -> float:
-        """The table's seconds for a pass over ``rows`` tokens."""
-        i, w = self._bracket(rows)
-        return (1 - w) * self.seconds[i] + w * self.seconds[i + 1]
 
     def table(self) -> StepCosts:
         costs, floor = [], 1.0

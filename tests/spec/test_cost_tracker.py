@@ -86,19 +86,3 @@ def test_rows_above_the_observed_ones_drift_with_them_so_drafts_keep_their_price
     assert table(16) == pytest.approx(3.0, rel=0.05)
     assert 1.4 * 1.2 < table(33) - table(17) < 1.7 * 1.2  # the timed slope, drifted about 1.5x
     assert table.verify(8, batch=16) > 1.5
-
-
-def test_the_draft_cost_moves_from_the_drafters_estimate_to_the_measured_one():
-    """A head named at 0.07 of a step whose passes take 2 ms of a 10 ms step at batch 1;
-    at batch 5 (a 12 ms step, 2.4 ms a request) with 2 requests drafting, 1.5 ms a pass:
-    0.75 ms a drafting request, 0.3125 of its share."""
-    t = CostTracker(StepCosts((1, 5, 17), (1.0, 1.2, 2.0), one_token_s=0.010), draft_cost=0.07)
-    assert t.draft_cost == 0.07
-    for _ in range(200):
-        c = t.observe_draft(0.006, passes=3, drafting=1, batch=1)
-    assert c == pytest.approx(0.2, rel=0.01)
-    t = CostTracker(StepCosts((1, 5, 17), (1.0, 1.2, 2.0), one_token_s=0.010), draft_cost=0.07)
-    for _ in range(200):
-        c = t.observe_draft(0.003, passes=2, drafting=2, batch=5)  # T(5) = 12 ms: 2.4 ms a request
-    assert c == pytest.approx(0.3125, rel=0.01)
-    assert t.observe_draft(10.0, passes=1, drafting=1, batch=1) == pytest.approx(c + 0.05 * (2.0 - c))  # capped at 2

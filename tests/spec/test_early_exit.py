@@ -9,7 +9,7 @@ from engine.llm_engine import LLMEngine
 from engine.models.llama import head_dim_of
 from kvcache.tensors import KVSpec, PagedKV
 from tests.conftest import check_no_lost_blocks
-from tests.engine_core.engine_helpers import greedy, run
+from tests.engine_core.engine_helpers import greedy
 
 PROMPT = [5, 6, 7, 5, 6, 7, 5, 6, 9, 3]
 LAYERS = 2
@@ -90,20 +90,3 @@ def test_the_draft_cost_counts_the_head():
     layer = sum(p.numel() for p in model.layers[0].parameters())
     head = 1000 * 16
     assert _cost_per_token(model, 1) == (layer + head) / (4 * layer + head)
-
-
-def test_the_policy_prices_drafts_at_their_measured_cost(tiny_model):
-    """Costs timed (not pinned): each drafting step's time moves the policy's c off the
-    parameter-share estimate, to the tracker's average."""
-    model = tiny_model(num_hidden_layers=4)
-    config = EngineConfig(
-        ModelConfig(max_model_len=128, dtype="float32", device="cpu"),
-        CacheConfig(num_blocks=64),
-        speculative=SpeculativeConfig(method="early_exit", num_speculative_tokens=3, num_layers=LAYERS, adaptive=False),
-    )
-    engine = LLMEngine(config, model=model, tokenizer=None)
-    estimate = engine.drafter.cost_per_token
-    assert engine.policy.c == estimate
-    run(engine, [PROMPT], greedy(24))
-    assert engine.policy.c == engine.cost_tracker.draft_cost != estimate
-    check_no_lost_blocks(engine)
