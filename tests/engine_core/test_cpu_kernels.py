@@ -136,6 +136,31 @@ def test_paged_attention_of_a_token_does_not_depend_on_the_others(kernel_build):
 
 
 @needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 2, 128), (6, 6, 64), (4, 2, 48)])
+def test_paged_attention_of_a_draft_chain_gives_each_row_its_bits_alone(kernel_build, heads, kv_heads, head_dim):
+    """The rows of a chain share their request's list and are attended together (with
+    AVX-512, up to 4 query vectors a work item): row i still gets the bits of one query
+    after c + i keys, and the softmax over exactly those keys."""
+    g = torch.Generator().manual_seed(heads * head_dim)
+    c, m, num_slots = 37, 7, 64
+    k_cache, v_cache = (torch.randn(num_slots, kv_heads, head_dim, generator=g) for _ in range(2))
+    q = torch.randn(m, heads, head_dim, generator=g)
+    slots = torch.randperm(num_slots, generator=g)[: c + m]
+    out = torch.empty_like(q)
+    ids = lambda *xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    cpu_kernels.paged_attention(q, k_cache, v_cache, torch.arange(m), torch.zeros(m, dtype=torch.int64),
+                                torch.arange(c + 1, c + m + 1), slots, out)
+    for i in range(m):
+        alone = torch.empty(1, heads, head_dim)
+        cpu_kernels.paged_attention(q[i : i + 1], k_cache, v_cache, ids(0), ids(0), ids(c + i + 1), slots, alone)
+        assert torch.equal(out[i], alone[0])
+        keys = k_cache[slots[: c + i + 1]].repeat_interleave(heads // kv_heads, 1)  # [L, H, D]
+        values = v_cache[slots[: c + i + 1]].repeat_interleave(heads // kv_heads, 1)
+        weights = torch.softmax(torch.einsum("hd,lhd->hl", q[i], keys) / head_dim**0.5, -1)
+        torch.testing.assert_close(out[i], torch.einsum("hl,lhd->hd", weights, values), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
 @pytest.mark.parametrize("heads, head_dim", [((4, 2), 64), ((3, 3), 48)], ids=["d64-gqa2", "d48-mha"])
 def test_fused_layers_give_the_bits_of_the_layer_modules(tiny_model, kernel_build, heads, head_dim):
     """A decode and verification step (decodes, a chain, a tree) through one C call per

@@ -288,29 +288,43 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * Token i (of n) is row rows[i] of q (row stride q_stride floats, H heads of D) and
  * of out ([*, H, D], contiguous); it sees the keys and values at the slots
  * slots[start[i]] .. slots[start[i] + len[i] - 1] of the caches ([num_slots, KVH, D]).
- * Query head h reads KV head h / (H / KVH). One work item is a (token, KV head): its
- * H / KVH query heads share each key and value as it is read. Scores are kept for
- * the whole list (two passes: max, then exp and sums), in list order, so a token's
- * result never depends on the other tokens of the step. */
+ * Query head h reads KV head h / (H / KVH).
+ *
+ * A query vector is one (token, query head). The vectors that read the same KV head
+ * over the same list (the H / KVH heads of a token; with AVX-512, also the tokens of a
+ * draft chain, which share their request's list with lengths c + 1, c + 2, ...) are
+ * attended together, up to 4 at a time (D = 64; 2 for D = 128): each key and value is
+ * read once for all of them. A chain of 16 drafts after 1,800 tokens of context read
+ * its request's keys 48 times a layer, one vector at a time; now 12. A vector's
+ * arithmetic is the same whoever shares its work item (keys past its own length get
+ * weight 0), in list order, so a token's result never depends on the other tokens of
+ * the step. */
 #ifdef __AVX512F__
-/* RH query heads (q, head after head) of one KV head g over L keys at slots sl: out o.
- * D = 16 * DV; RH and DV are constants in each instantiation, so the queries and the
- * output accumulators live in registers. scores: RH rows of stride ss floats. Softmax
- * in two passes (scores and their max, then exp and the weighted sum of values), the
- * sum normalised once at the end. */
-static inline __attribute__((always_inline)) void attend512(const float *q, const float *k_cache,
-                                                             const float *v_cache, const int64_t *sl, int64_t L,
-                                                             int64_t KVH, int64_t g, float scale, float *scores,
-                                                             int64_t ss, float *o, const int DV, const int RH) {
-    const int64_t D = 16 * DV;
-    __m512 qv[4][8], acc[4][8];
-    float mx[4], total[4];
+#define MAXV 4 /* query vectors per work item */
+#define PF 8 /* keys ahead to prefetch */
+
+/* RH query vectors q[r] (D floats each) of one KV head g; vector r sees the first L[r]
+ * keys at slots sl, Lmax the longest: out o[r]. D = 16 * DV; RH and DV are constants in
+ * each instantiation, so the queries and the output accumulators live in registers.
+ * scores: RH rows of stride ss floats. Softmax in two passes (scores and their max,
+ * then exp and the weighted sum of values), the sum normalised once at the end. */
+static inline __attribute__((always_inline)) void attend512(const float *const *q, const int64_t *L, int64_t Lmax,
+                                                             const float *k_cache, const float *v_cache,
+                                                             const int64_t *sl, int64_t KVH, int64_t g, float scale,
+                                                             float *scores, int64_t ss, float *const *o, const int DV,
+                                                             const int RH) {
+    __m512 qv[MAXV][8], acc[MAXV][8];
+    float mx[MAXV], total[MAXV];
     for (int r = 0; r < RH; r++) {
         mx[r] = -INFINITY;
-        for (int d = 0; d < DV; d++) qv[r][d] = _mm512_mul_ps(_mm512_loadu_ps(q + r * D + 16 * d), _mm512_set1_ps(scale));
+        for (int d = 0; d < DV; d++) qv[r][d] = _mm512_mul_ps(_mm512_loadu_ps(q[r] + 16 * d), _mm512_set1_ps(scale));
     }
-    for (int64_t j = 0; j < L; j++) {
-        const float *kj = k_cache + (sl[j] * KVH + g) * D;
+    for (int64_t j = 0; j < Lmax; j++) {
+        const float *kj = k_cache + (sl[j] * KVH + g) * 16 * DV;
+        if (j + PF < Lmax) {
+            const char *next = (const char *)(k_cache + (sl[j + PF] * KVH + g) * 16 * DV);
+            for (int d = 0; d < DV; d++) _mm_prefetch(next + 64 * d, _MM_HINT_T0);
+        }
         __m512 kv[8];
         for (int d = 0; d < DV; d++) kv[d] = _mm512_loadu_ps(kj + 16 * d);
         for (int r = 0; r < RH; r++) {
@@ -318,7 +332,7 @@ static inline __attribute__((always_inline)) void attend512(const float *q, cons
             for (int d = 1; d < DV; d++) s = _mm512_fmadd_ps(qv[r][d], kv[d], s);
             const float x = _mm512_reduce_add_ps(s);
             scores[r * ss + j] = x;
-            mx[r] = x > mx[r] ? x : mx[r];
+            mx[r] = j < L[r] && x > mx[r] ? x : mx[r];
         }
     }
     for (int r = 0; r < RH; r++) {
@@ -326,22 +340,27 @@ static inline __attribute__((always_inline)) void attend512(const float *q, cons
         const __m512 m = _mm512_set1_ps(mx[r]);
         __m512 t = _mm512_setzero_ps();
         int64_t j = 0;
-        for (; j + 16 <= L; j += 16) {
+        for (; j + 16 <= L[r]; j += 16) {
             __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), m));
             _mm512_storeu_ps(sr + j, e);
             t = _mm512_add_ps(t, e);
         }
-        if (j < L) {
-            const __mmask16 tail = (__mmask16)((1u << (L - j)) - 1);
+        if (j < L[r]) {
+            const __mmask16 tail = (__mmask16)((1u << (L[r] - j)) - 1);
             __m512 e = _mm512_maskz_mov_ps(tail, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sr + j), m)));
             _mm512_mask_storeu_ps(sr + j, tail, e);
             t = _mm512_add_ps(t, e);
         }
         total[r] = _mm512_reduce_add_ps(t);
+        for (j = L[r]; j < Lmax; j++) sr[j] = 0.0f; /* keys past its own length: weight 0 */
         for (int d = 0; d < DV; d++) acc[r][d] = _mm512_setzero_ps();
     }
-    for (int64_t j = 0; j < L; j++) {
-        const float *vj = v_cache + (sl[j] * KVH + g) * D;
+    for (int64_t j = 0; j < Lmax; j++) {
+        const float *vj = v_cache + (sl[j] * KVH + g) * 16 * DV;
+        if (j + PF < Lmax) {
+            const char *next = (const char *)(v_cache + (sl[j + PF] * KVH + g) * 16 * DV);
+            for (int d = 0; d < DV; d++) _mm_prefetch(next + 64 * d, _MM_HINT_T0);
+        }
         __m512 vv[8];
         for (int d = 0; d < DV; d++) vv[d] = _mm512_loadu_ps(vj + 16 * d);
         for (int r = 0; r < RH; r++) {
@@ -351,29 +370,47 @@ static inline __attribute__((always_inline)) void attend512(const float *q, cons
     }
     for (int r = 0; r < RH; r++) {
         const __m512 inv = _mm512_set1_ps(1.0f / total[r]);
-        for (int d = 0; d < DV; d++) _mm512_storeu_ps(o + r * D + 16 * d, _mm512_mul_ps(acc[r][d], inv));
+        for (int d = 0; d < DV; d++) _mm512_storeu_ps(o[r] + 16 * d, _mm512_mul_ps(acc[r][d], inv));
     }
 }
 
-/* The query heads of one work item in passes of up to 4 (D = 64) or 2 (D = 128). */
-static int attend512_heads(const float *q, const float *k_cache, const float *v_cache, const int64_t *sl,
-                           int64_t L, int64_t KVH, int64_t g, float scale, float *scores, int64_t ss, float *o,
-                           int64_t D, int64_t rep) {
+/* attend512 for nv vectors (at most 4 for D = 64, 2 for D = 128). */
+static void attend512_vectors(const float *const *q, const int64_t *L, int64_t Lmax, int nv, const float *k_cache,
+                              const float *v_cache, const int64_t *sl, int64_t KVH, int64_t g, float scale,
+                              float *scores, int64_t ss, float *const *o, int64_t D) {
     if (D == 64) {
-        int64_t r = 0;
-        for (; r + 4 <= rep; r += 4) attend512(q + r * D, k_cache, v_cache, sl, L, KVH, g, scale, scores, ss, o + r * D, 4, 4);
-        for (; r < rep; r++) attend512(q + r * D, k_cache, v_cache, sl, L, KVH, g, scale, scores, ss, o + r * D, 4, 1);
-        return 1;
+        switch (nv) {
+        case 1: attend512(q, L, Lmax, k_cache, v_cache, sl, KVH, g, scale, scores, ss, o, 4, 1); return;
+        case 2: attend512(q, L, Lmax, k_cache, v_cache, sl, KVH, g, scale, scores, ss, o, 4, 2); return;
+        case 3: attend512(q, L, Lmax, k_cache, v_cache, sl, KVH, g, scale, scores, ss, o, 4, 3); return;
+        default: attend512(q, L, Lmax, k_cache, v_cache, sl, KVH, g, scale, scores, ss, o, 4, 4); return;
+        }
     }
-    if (D == 128) {
-        int64_t r = 0;
-        for (; r + 2 <= rep; r += 2) attend512(q + r * D, k_cache, v_cache, sl, L, KVH, g, scale, scores, ss, o + r * D, 8, 2);
-        for (; r < rep; r++) attend512(q + r * D, k_cache, v_cache, sl, L, KVH, g, scale, scores, ss, o + r * D, 8, 1);
-        return 1;
-    }
-    return 0;
+    if (nv == 1) attend512(q, L, Lmax, k_cache, v_cache, sl, KVH, g, scale, scores, ss, o, 8, 1);
+    else attend512(q, L, Lmax, k_cache, v_cache, sl, KVH, g, scale, scores, ss, o, 8, 2);
 }
 #endif
+
+/* One work item: the KV head g of the vectors v0 .. v0 + nv - 1 of the tokens from
+ * ``first`` on (vector v: token first + v / rep, query head g * rep + v % rep). */
+typedef struct {
+    int64_t first, g, v0, nv;
+} AttnItem;
+
+/* The work items: tokens that share a list (same start) grouped when ``grouped``, their
+ * vectors cut into items of at most ``per_item``; returns how many (at most n * H). */
+static int64_t attention_items(const int64_t *start, int64_t n, int64_t KVH, int64_t rep, int grouped,
+                               int64_t per_item, AttnItem *items) {
+    int64_t count = 0;
+    for (int64_t i = 0, e; i < n; i = e) {
+        for (e = i + 1; grouped && e < n && start[e] == start[i];) e++;
+        const int64_t nvec = (e - i) * rep;
+        for (int64_t g = 0; g < KVH; g++)
+            for (int64_t v0 = 0; v0 < nvec; v0 += per_item)
+                items[count++] = (AttnItem){i, g, v0, nvec - v0 < per_item ? nvec - v0 : per_item};
+    }
+    return count;
+}
 
 void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                          const int64_t *rows, const int64_t *start, const int64_t *len, const int64_t *slots,
@@ -381,26 +418,50 @@ void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
     const int64_t rep = H / KVH;
     int64_t max_len = 1;
     for (int64_t i = 0; i < n; i++) max_len = len[i] > max_len ? len[i] : max_len;
-    #pragma omp parallel num_threads(n * KVH > 1 ? num_threads : 1)
-    {
-        float *scores = malloc(sizeof(float) * (rep * (max_len + 8) + rep * D));
-        float *acc = scores + rep * (max_len + 8);
-        #pragma omp for schedule(static)
-        for (int64_t item = 0; item < n * KVH; item++) {
-            const int64_t i = item / KVH, g = item % KVH, L = len[i];
-            const int64_t *sl = slots + start[i];
-            const float *qi = q + rows[i] * q_stride + g * rep * D;
+    int grouped = 0;
+    int64_t per_item = rep; /* the portable path: one token's query heads of a KV head */
 #ifdef __AVX512F__
-            if (attend512_heads(qi, k_cache, v_cache, sl, L, KVH, g, scale, scores, max_len + 8,
-                                out + (rows[i] * H + g * rep) * D, D, rep))
-                continue;
+    if (D == 64 || D == 128) {
+        grouped = 1;
+        per_item = D == 64 ? MAXV : 2;
+    }
 #endif
+    AttnItem *items = malloc(sizeof(AttnItem) * n * H);
+    const int64_t count = attention_items(start, n, KVH, rep, grouped, per_item, items);
+    const int64_t rows_per_item = per_item > rep ? per_item : rep, ss = max_len + 16;
+    #pragma omp parallel num_threads(count > 1 ? num_threads : 1)
+    {
+        float *scores = malloc(sizeof(float) * (rows_per_item * ss + rep * D));
+        float *acc = scores + rows_per_item * ss;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < count; it++) {
+            const AttnItem w = items[it];
+            const int64_t g = w.g;
+            const int64_t *sl = slots + start[w.first];
+#ifdef __AVX512F__
+            if (grouped) {
+                const float *qp[MAXV];
+                float *op[MAXV];
+                int64_t L[MAXV], Lmax = 0;
+                for (int64_t v = 0; v < w.nv; v++) {
+                    const int64_t i = w.first + (w.v0 + v) / rep, h = g * rep + (w.v0 + v) % rep;
+                    qp[v] = q + rows[i] * q_stride + h * D;
+                    op[v] = out + (rows[i] * H + h) * D;
+                    L[v] = len[i];
+                    Lmax = L[v] > Lmax ? L[v] : Lmax;
+                }
+                attend512_vectors(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, op, D);
+                continue;
+            }
+#endif
+            const int64_t i = w.first, L = len[i];
+            const float *qi = q + rows[i] * q_stride + g * rep * D;
             for (int64_t j = 0; j < L; j++) {
                 const float *kj = k_cache + (sl[j] * KVH + g) * D;
-                for (int64_t r = 0; r < rep; r++) scores[r * (max_len + 8) + j] = dot(qi + r * D, kj, D) * scale;
+                for (int64_t r = 0; r < rep; r++) scores[r * ss + j] = dot(qi + r * D, kj, D) * scale;
             }
             for (int64_t r = 0; r < rep; r++) {
-                float *s = scores + r * (max_len + 8);
+                float *s = scores + r * ss;
                 float m = -INFINITY, total = 0.0f;
                 for (int64_t j = 0; j < L; j++) m = s[j] > m ? s[j] : m;
                 int64_t j = 0;
@@ -421,13 +482,13 @@ void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
             for (int64_t j = 0; j < L; j++) {
                 const float *vj = v_cache + (sl[j] * KVH + g) * D;
                 for (int64_t r = 0; r < rep; r++) {
-                    const float w = scores[r * (max_len + 8) + j];
+                    const float wgt = scores[r * ss + j];
                     float *a = acc + r * D;
                     int64_t d = 0;
-                    __m256 vw = _mm256_set1_ps(w);
+                    __m256 vw = _mm256_set1_ps(wgt);
                     for (; d + 8 <= D; d += 8)
                         _mm256_storeu_ps(a + d, _mm256_fmadd_ps(vw, _mm256_loadu_ps(vj + d), _mm256_loadu_ps(a + d)));
-                    for (; d < D; d++) a[d] += w * vj[d];
+                    for (; d < D; d++) a[d] += wgt * vj[d];
                 }
             }
             float *o = out + (rows[i] * H + g * rep) * D;
@@ -435,6 +496,7 @@ void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
         }
         free(scores);
     }
+    free(items);
 }
 
 /* out [T, I] = silu(gu[:, :I]) * gu[:, I:] for gu [T, 2I]: the gated MLP's activation. */
