@@ -579,12 +579,13 @@ void decoder_layer_f32(float *x, int64_t T, int64_t Hd, int64_t H, int64_t KVH, 
 
 /* A tile of prefill attention: rows [0, nq) of one query head (queries qt [nq, D], already
  * scaled, query row i at position pos0 + i and seeing keys 0 .. pos0 + i) over the keys,
- * transposed (kT[d * kt_stride + j]: dimension d of key j), and the values (value j at
+ * transposed by blocks of PK (kT[(j / PK) * D * PK + d * PK + j % PK]: dimension d of key j,
+ * so that a block's keys are one stream of 16 KB, not D rows far apart), and the values (value j at
  * v + j * v_stride), flash-attention style: key blocks of PK,
  * the running max and sum per row, the output rows (o [PQ, D]) rescaled as the max grows.
  * D = 16 DV; RB query rows at a time (registers: RB x 4 score vectors, RB x DV outputs). */
 static inline __attribute__((always_inline)) void prefill_tile(const float *qt, int64_t nq, int64_t pos0,
-                                                                const float *kT, int64_t kt_stride, const float *v,
+                                                                const float *kT, const float *v,
                                                                 int64_t v_stride, float *o, const int DV, const int RB) {
     const int64_t D = 16 * DV;
     float s[PQ * PK], mx[PQ], sum[PQ];
@@ -596,14 +597,14 @@ static inline __attribute__((always_inline)) void prefill_tile(const float *qt, 
     const int64_t keys = pos0 + nq; /* the last row sees keys 0 .. keys - 1 */
     for (int64_t j0 = 0; j0 < keys; j0 += PK) {
         const int64_t nk = keys - j0 < PK ? keys - j0 : PK;
-        const float *kt = kT + j0; /* kt[d * kt_stride + j]: key j0 + j, zeros past the last key */
+        const float *kt = kT + j0 * D; /* kt[d * PK + j]: key j0 + j, zeros past the last key */
         for (int64_t i0 = 0; i0 < nq; i0 += RB) { /* s = q . k for RB rows: RB x 4 accumulators */
             __m512 acc[4][4];
             for (int r = 0; r < RB; r++)
                 for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
             for (int64_t d = 0; d < D; d++) {
                 __m512 kv4[4];
-                for (int c = 0; c < 4; c++) kv4[c] = _mm512_loadu_ps(kt + d * kt_stride + 16 * c);
+                for (int c = 0; c < 4; c++) kv4[c] = _mm512_loadu_ps(kt + d * PK + 16 * c);
                 for (int r = 0; r < RB; r++) {
                     const __m512 qv = _mm512_set1_ps(i0 + r < nq ? qt[(i0 + r) * D + d] : 0.0f);
                     for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(qv, kv4[c], acc[r][c]);
@@ -679,14 +680,14 @@ int prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int6
 #ifdef __AVX512F__
     if (D != 64 && D != 128) return 0;
     const int64_t blocks = (m + PQ - 1) / PQ, rep = H / KVH, S = offset + m, SP = (S + PK - 1) / PK * PK;
-    float *kT = malloc(sizeof(float) * KVH * D * SP); /* [KVH, D, SP]: the keys transposed once, zero-padded */
+    float *kT = malloc(sizeof(float) * KVH * D * SP); /* the keys transposed once (prefill_tile), zero-padded */
     if (kT == NULL) return 0;
     #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t gd = 0; gd < KVH * D; gd++) {
-        const int64_t g = gd / D, d = gd % D;
-        float *row = kT + gd * SP;
-        for (int64_t j = 0; j < S; j++) row[j] = k[j * k_stride + g * D + d];
-        for (int64_t j = S; j < SP; j++) row[j] = 0.0f;
+    for (int64_t gb = 0; gb < KVH * (SP / PK); gb++) { /* [KVH, SP / PK, D, PK]: a block's keys in 16 KB */
+        const int64_t g = gb / (SP / PK), j0 = gb % (SP / PK) * PK;
+        float *blk = kT + gb * D * PK;
+        for (int64_t j = 0; j < PK; j++)
+            for (int64_t d = 0; d < D; d++) blk[d * PK + j] = j0 + j < S ? k[(j0 + j) * k_stride + g * D + d] : 0.0f;
     }
     #pragma omp parallel for schedule(dynamic) num_threads(num_threads)
     for (int64_t item = 0; item < blocks * H; item++) {
@@ -696,8 +697,8 @@ int prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int6
         for (int64_t i = 0; i < nq; i++)
             for (int64_t d = 0; d < D; d++) qt[i * D + d] = q[(i0 + i) * q_stride + h * D + d] * scale;
         const float *kh = kT + (h / rep) * D * SP, *vh = v + (h / rep) * D;
-        if (D == 64) prefill_tile(qt, nq, offset + i0, kh, SP, vh, v_stride, o, 4, 4);
-        else prefill_tile(qt, nq, offset + i0, kh, SP, vh, v_stride, o, 8, 2);
+        if (D == 64) prefill_tile(qt, nq, offset + i0, kh, vh, v_stride, o, 4, 4);
+        else prefill_tile(qt, nq, offset + i0, kh, vh, v_stride, o, 8, 2);
         for (int64_t i = 0; i < nq; i++)
             for (int64_t d = 0; d < D; d++) out[((i0 + i) * H + h) * D + d] = o[i * D + d];
     }
