@@ -1,5 +1,5 @@
 """Decode attention over the paged KV cache, by context length and rows per request:
-what a verification pass's draft chains cost in attention (engine/layers/cpu_kernels.py).
+what a verification pass's draft chains and trees cost in attention (engine/layers/cpu_kernels.py).
 
     .venv/bin/python -m bench.attention [--repeats 20]
 
@@ -7,14 +7,14 @@ Times ``cpu_kernels.paged_attention`` over SmolLM2-135M's heads (9 query heads, 
 heads of 64) for 30 layers, with the slots of each request in blocks of 16 spread
 over the cache as the block allocator leaves them:
 
-- ``chain``: the metadata the engine builds (``listed=True``): a request's rows share
-  its list of slots, each row seeing one key more than the row before;
-- ``row by row``: the same rows each given its own copy of the list, so that the
-  kernel reads the request's keys once per row (what it did for every chain before
-  rows were grouped);
+- ``engine``: the metadata the engine builds (``listed=True``): a chain's rows share
+  their request's list of slots, each row seeing one key more than the row before; a
+  tree's nodes share one list per root-to-leaf path;
+- ``row by row``: each row given its own copy of the keys it sees, so that the kernel
+  reads the request's keys once per row (how trees were listed before);
 - ``torch``: the reference backend (gathered keys, ``scaled_dot_product_attention``).
 
-Interleaved, the minimum of the repeats. Writes bench/results/attention.md.
+Interleaved, each timed right after a run of its own, the minimum of the repeats. Writes bench/results/attention.md.
 """
 
 import argparse
@@ -25,22 +25,28 @@ import torch
 
 from bench.common import markdown_table, write_report
 from engine.attention import SeqSpec, build_attention_metadata, paged_attention
+from engine import tree
 from engine.attention.metadata import ListedQueries
 from engine.layers import cpu_kernels
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
-CASES = [  # (requests, context, rows per request)
+TWO_BRANCHES = tuple([-1, *range(7)] + [-1, *range(8, 15)])  # two chains of 8 from the same token
+BINARY = tree.product_tree([2] * 8, 16)  # 16 nodes, 8 leaves
+CASES = [  # (requests, context, new tokens per request: a chain's length or a tree)
     (1, 256, 1), (1, 1800, 1), (1, 1800, 3), (1, 1800, 9), (1, 1800, 17), (1, 600, 17),
+    (1, 600, TWO_BRANCHES), (1, 600, BINARY), (1, 1800, TWO_BRANCHES),
     (16, 300, 1), (16, 1000, 1), (16, 300, 4),
 ]
 
 
-def problem(requests: int, context: int, rows: int):
+def problem(requests: int, context: int, new):
     """(q, k, v, kv cache, specs): ``requests`` requests of ``context`` cached tokens and
-    ``rows`` new ones each, their blocks in a random order over the cache."""
+    ``new`` new ones each (a count: a chain; else a tree's parents), their blocks in a
+    random order over the cache."""
+    rows, parents = (new, None) if isinstance(new, int) else (len(new), new)
     per_request = -(-(context + rows) // BLOCK)
     order = torch.randperm(requests * per_request).tolist()
-    specs = [SeqSpec(context, rows, order[i * per_request : (i + 1) * per_request]) for i in range(requests)]
+    specs = [SeqSpec(context, rows, order[i * per_request : (i + 1) * per_request], parents) for i in range(requests)]
     cache = [torch.randn(requests * per_request, BLOCK, KV_HEADS, HEAD_DIM) for _ in range(2)]
     new = requests * rows
     q, k, v = torch.randn(new, HEADS, HEAD_DIM), torch.randn(new, KV_HEADS, HEAD_DIM), torch.randn(new, KV_HEADS, HEAD_DIM)
@@ -69,13 +75,14 @@ def measure(case, repeats: int) -> list[float]:
     reference = build_attention_metadata(specs, BLOCK)
     separate = row_by_row(listed)
     ways = {
-        "chain": lambda: paged_attention(q, k, v, (k_cache, v_cache), listed),
+        "engine": lambda: paged_attention(q, k, v, (k_cache, v_cache), listed),
         "row by row": lambda: paged_attention(q, k, v, (k_cache, v_cache), separate),
         "torch": lambda: paged_attention(q, k, v, (k_cache, v_cache), reference),
     }
     best = {name: float("inf") for name in ways}
     for _ in range(repeats):
         for name, fn in ways.items():
+            time_layers(fn)  # caches warm for this way (the torch one evicts everything)
             best[name] = min(best[name], time_layers(fn))
     return list(best.values())
 
@@ -90,12 +97,14 @@ def main() -> None:
     rows = []
     for case in CASES:
         chain, separate, reference = measure(case, args.repeats)
-        rows.append([*case, chain, separate, reference, separate / chain])
+        requests, context, new = case
+        shape = new if isinstance(new, int) else "tree: 2 chains of 8" if new == TWO_BRANCHES else "tree: binary, 16"
+        rows.append([requests, context, shape, chain, separate, reference, separate / chain])
         print(rows[-1], flush=True)
-    body = markdown_table(["requests", "context", "rows each", "chain (ms)", "row by row (ms)", "torch (ms)",
-                           "row by row / chain"], rows)
+    body = markdown_table(["requests", "context", "new tokens each", "as the engine lists them (ms)",
+                           "row by row (ms)", "torch (ms)", "row by row / engine"], rows)
     body += (f"\n\nAttention of one pass through the {LAYERS} layers (new keys written, then attended), "
-             f"minimum of {args.repeats} interleaved repeats; 9 query heads over 3 KV heads of 64.")
+             f"minimum of {args.repeats} interleaved repeats, each after a warm-up run; 9 query heads over 3 KV heads of 64.")
     write_report("attention", "Decode attention over the paged KV cache by context and rows per request", body,
                  f"python -m bench.attention --repeats {args.repeats}")
 

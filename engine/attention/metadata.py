@@ -65,9 +65,13 @@ class BatchedQuery:
 
 @dataclass
 class ListedQueries:
-    """Tokens that each attend over their own list of KV slots (``cpu_kernels.paged_attention``):
-    no padding, no gather. The tokens of a chain share their request's list, each seeing a
-    longer prefix of it; a tree node's list is the committed prefix and its ancestors and itself."""
+    """Tokens that each attend over a prefix of a list of KV slots (``cpu_kernels.paged_attention``):
+    no padding, no gather. The tokens of a chain share their request's list, each seeing one
+    key more than the one before. A tree has one list per leaf, the committed prefix and the
+    path from a root down to that leaf (``leaf_paths``); each node is listed once, under the
+    first leaf whose path holds it, and sees the committed prefix, its ancestors and itself.
+    Consecutive tokens of one list are attended together by the kernel (it reads each key
+    once for them)."""
 
     rows: torch.Tensor  # [n] flat token index
     start: torch.Tensor  # [n] where the token's list begins in ``slots``
@@ -165,23 +169,45 @@ def _batched(specs: list[SeqSpec], starts: list[int], total_tokens: int, block_s
     )
 
 
+def leaf_paths(parents: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """``(path, own)`` per leaf of a tree, in node order of the leaves: the nodes from a root
+    down to the leaf, and the ones of them on no earlier leaf's path (a suffix of the
+    path); every node is in exactly one ``own``.
+
+    >>> leaf_paths((-1, 0, 0, 1))  # 0 - 1 - 3 and 0 - 2
+    [([0, 2], [0, 2]), ([0, 1, 3], [1, 3])]
+    """
+    inner = {p for p in parents if p >= 0}
+    seen, out = set(), []
+    for leaf in (i for i in range(len(parents)) if i not in inner):
+        path, node = [], leaf
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        path.reverse()
+        own = [n for n in path if n not in seen]
+        seen.update(own)
+        out.append((path, own))
+    return out
+
+
 def _listed(specs: list[SeqSpec], starts: list[int], all_slots: list[np.ndarray]) -> ListedQueries:
     rows, start, length, lists, offset = [], [], [], [], 0
     for spec, first, slots in zip(specs, starts, all_slots):
         c, m = spec.context_len, spec.query_len
-        rows.append(np.arange(first, first + m))
         if spec.parents is None:  # token i sees positions 0 .. c + i
+            rows.append(np.arange(first, first + m))
             start.append(np.full(m, offset))
             length.append(np.arange(c + 1, c + m + 1))
             lists.append(slots)
             offset += len(slots)
             continue
-        for row in tree_mask(spec.parents):
-            own = np.concatenate([slots[:c], slots[c:][row]])
-            start.append(np.array([offset]))
-            length.append(np.array([len(own)]))
-            lists.append(own)
-            offset += len(own)
+        for path, own in leaf_paths(spec.parents):  # a node at depth d sees the first c + d + 1 of its path's list
+            rows.append(first + np.array(own))
+            start.append(np.full(len(own), offset))
+            length.append(c + 1 + np.arange(len(path) - len(own), len(path)))
+            lists.append(np.concatenate([slots[:c], slots[c:][path]]))
+            offset += c + len(path)
     to = lambda parts: torch.from_numpy(np.concatenate(parts).astype(np.int64))  # noqa: E731
     return ListedQueries(to(rows), to(start), to(length), to(lists))
 
