@@ -7,7 +7,10 @@ Every server is started at once on loopback and measured the same way through
 ``/v1/chat/completions`` (greedy, ``ignore_eos``, 128 new tokens, prompt
 processing included), interleaved: each prompt goes to each server in turn, in
 ``--rounds`` passes, so that the machine's drifting speed (on the bench machine
-it moves by a third over minutes) hits every server alike:
+it moves by a third over minutes) hits every server alike. Each request or wave
+waits until every server's processes are idle (``settle``): vLLM's CPU build keeps
+about one core busy for a second after a response, which slowed the server
+measured after it by up to a tenth (its c16 wave) before this wait:
 
 - ``b1 chat`` / ``b1 copy``: batch 1, median tokens/s over 4 chat prompts (one
   per MT-Bench-style category) and over 4 copy-heavy ones (Spec-Bench
@@ -39,7 +42,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import RESULTS, markdown_table, rotated, round_robin_chat, run_at_once, spec_bench, write_report
-from bench.server_procs import free_port, stop
+from bench.server_procs import free_port, settle, stop
 
 MAX_TOKENS = 128
 SPEC_NGRAM = {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_max": 8}
@@ -143,10 +146,12 @@ def conversation_prompt() -> str:
     return "Read this text.\n\n" + text + "\n\nSummarize its first part in two sentences."
 
 
-def measure(urls: dict[str, str], chat_ps: list[str], copy_ps: list[str], conc_ps: list[str], rounds: int) -> dict:
+def measure(urls: dict[str, str], chat_ps: list[str], copy_ps: list[str], conc_ps: list[str], rounds: int,
+            pids: list[int]) -> dict:
     """Every server is up at once and each request goes to each server in turn (per prompt,
     per round; the order rotated each round), so that a drift of the machine's
-    speed over the run hits them all alike."""
+    speed over the run hits them all alike. Before each request or wave, the servers'
+    processes (``pids``) are left to go idle (``settle``)."""
     for url in urls.values():
         chat(url, [{"role": "user", "content": "Say hello."}], 8)  # warm-up, not counted
     speed = {n: {"chat": [], "copy": [], "c16": []} for n in urls}
@@ -156,11 +161,13 @@ def measure(urls: dict[str, str], chat_ps: list[str], copy_ps: list[str], conc_p
         for group, ps in (("chat", chat_ps), ("copy", copy_ps)):
             for p in ps:
                 for n, url in order:
+                    settle(pids)
                     r = chat(url, [{"role": "user", "content": p}], MAX_TOKENS)
                     speed[n][group].append(r["tokens"] / r["wall_s"])
                     if rnd == 0:
                         texts[n].append(r["text"])
         for n, url in order:
+            settle(pids)
             results, wall = run_at_once(lambda p: chat(url, [{"role": "user", "content": p}], MAX_TOKENS), conc_ps)
             speed[n]["c16"].append(sum(r["tokens"] for r in results if r) / wall)
         for n in urls:
@@ -170,6 +177,7 @@ def measure(urls: dict[str, str], chat_ps: list[str], copy_ps: list[str], conc_p
     out = {}
     for n, url in urls.items():
         history = [{"role": "user", "content": conversation_prompt()}]
+        settle(pids)
         turn1 = chat(url, history, 32, stream=True)
         history += [{"role": "assistant", "content": turn1["text"]}, {"role": "user", "content": "Now the second one."}]
         turn2 = chat(url, history, 32, stream=True)
@@ -204,7 +212,7 @@ def report(results: dict, command: str) -> None:
         body += "\n\n" + markdown_table(["greedy texts (batch-1 prompts)", "identical"], pairs)
     body += (f"\n\nGreedy, {MAX_TOKENS} new tokens with ignore_eos, prompt processing included; batch 1 is "
              "the median over prompts and rounds, 16 concurrent the total over the wall time (median over rounds). "
-             "Every server up at once, each request sent to each in turn: compare ratios, not absolute figures "
+             "Every server up at once, each request sent to each in turn once all were idle: compare ratios, not absolute figures "
              "across runs. "
              "llama.cpp (if listed) runs Q4_1 weights, the others float32.\n\n![peers](peers.png)")
     write_report("peers", "specserve and its peers through one client (SmolLM2-135M-Instruct)", body, command)
@@ -250,7 +258,7 @@ def main() -> None:
             print(f"[{name}] starting", flush=True)
             procs.append(start(*spec, Path(tempfile.gettempdir()) / f"specserve-peers-{name}.log"))
             urls[name] = f"http://127.0.0.1:{port}"
-        results = measure(urls, chat_ps, copy_ps, conc_ps, args.rounds)
+        results = measure(urls, chat_ps, copy_ps, conc_ps, args.rounds, [p.pid for p in procs])
     finally:
         for proc in procs:
             stop(proc, 60)

@@ -9,6 +9,7 @@ import time
 from contextlib import contextmanager
 
 import httpx
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -26,6 +27,36 @@ def stop(proc: subprocess.Popen, timeout: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout)
+
+
+def settle(pids: list[int], idle_cores: float = 0.1, interval: float = 0.25, timeout: float = 5.0) -> float:
+    """Waits until the processes ``pids`` and their children together use less than
+    ``idle_cores`` of a core over ``interval`` seconds (at most ``timeout``); returns the
+    seconds waited. A server whose threads keep running after its response (vLLM's CPU
+    build: about one core for a second, measured) would otherwise slow whichever server
+    is measured next: call it between measurements of different servers."""
+
+    def cpu_seconds() -> float:
+        total = 0.0
+        for pid in pids:
+            try:
+                proc = psutil.Process(pid)
+                for q in [proc, *proc.children(recursive=True)]:
+                    times = q.cpu_times()
+                    total += times.user + times.system
+            except psutil.Error:  # exited in between
+                pass
+        return total
+
+    t0 = time.monotonic()
+    last = cpu_seconds()
+    while time.monotonic() - t0 < timeout:
+        time.sleep(interval)
+        now = cpu_seconds()
+        if now - last < idle_cores * interval:
+            break
+        last = now
+    return time.monotonic() - t0
 
 
 @contextmanager
