@@ -134,10 +134,17 @@ class NgramDrafter(Drafter):
         return cached[1]
 
     def commit(self, request) -> None:
-        index = self.indexes.get(request.request_id)
-        if index is not None and index.num_indexed_ends > request.num_tokens - 1:
-            self.indexes.pop(request.request_id)  # tokens were rolled back past the index: rebuild
-        self.matches.pop(request.request_id, None)
+        """Extends the request's index to its committed tokens, a few per step (~0.2 ms a
+        step at 16 requests). Left to the next ``context_class``, the extension piled up
+        while planning was paused (``engine.spec_decode.batch_pause``) and fell on the
+        step that resumed it: 1-3.3 ms a planned step at 16 requests (offline waves of 16,
+        start-up heap frozen as the server does), about the same work in all."""
+        rid = request.request_id
+        index = self.indexes.get(rid)
+        if index is None or index.num_indexed_ends > request.num_tokens - 1:  # new, or rolled back past it
+            index = self.indexes[rid] = NgramIndex(self.min_n, self.max_n)
+        index.extend(request.token_ids)
+        self.matches.pop(rid, None)
 
     def free(self, request_id: str) -> None:
         self.indexes.pop(request_id, None)

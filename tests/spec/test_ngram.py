@@ -44,3 +44,17 @@ def test_context_class_is_the_match_length_from_committed_tokens_only():
     assert drafter.propose([DraftSlot(req, 3)])["r"].token_ids == [8, 1, 6]
     lonely = Request("s", [1, 2, 3], SamplingParams(), frozenset())
     assert drafter.context_class(lonely) is None and drafter.propose([DraftSlot(lonely, 3)]) == {}
+
+
+def test_commit_keeps_the_index_up_to_date_and_rebuilds_it_after_a_rollback():
+    """Planning after a pause then finds nothing to catch up on; a rollback past the index
+    (tokens removed) must not leave n-grams of the removed tokens behind."""
+    drafter = NgramDrafter(1, 3)
+    req = Request("r", [1, 2, 3, 1, 2], SamplingParams(), frozenset())
+    for more in ([3, 9, 1, 2], []):
+        req.token_ids += more
+        drafter.commit(req)
+        assert drafter.indexes["r"].num_indexed_ends == req.num_tokens - 1
+    del req.token_ids[-3:]  # [1, 2, 3, 1, 2, 3]
+    drafter.commit(req)
+    assert drafter.propose([DraftSlot(req, 3)])["r"].token_ids == [1, 2, 3]  # after the first "1 2 3"
