@@ -291,11 +291,11 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * Query head h reads KV head h / (H / KVH).
  *
  * A query vector is one (token, query head). The vectors that read the same KV head
- * over the same list (the H / KVH heads of a token; with AVX-512, also the tokens of a
- * draft chain, which share their request's list with lengths c + 1, c + 2, ...) are
- * attended together, up to 4 at a time (D = 64; 2 for D = 128): each key and value is
- * read once for all of them. A chain of 16 drafts after 1,800 tokens of context read
- * its request's keys 48 times a layer, one vector at a time; now 12. A vector's
+ * over the same list (the H / KVH heads of a token; with AVX-512, also the consecutive
+ * tokens listed with the same start: a draft chain's rows, or a tree path's nodes, with
+ * lengths c + 1, c + 2, ...) are attended together, up to 4 at a time (D = 64; 2 for
+ * D = 128): each key and value is read once for all of them. A chain of 16 drafts (17
+ * rows) read each KV head's keys 51 times a layer, one vector at a time; now 13. A vector's
  * arithmetic is the same whoever shares its work item (keys past its own length get
  * weight 0), in list order, so a token's result never depends on the other tokens of
  * the step. */
