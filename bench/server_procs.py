@@ -29,10 +29,9 @@ def stop(proc: subprocess.Popen, timeout: float) -> None:
         proc.wait(timeout)
 
 
-def settle(pids: list[int], idle_cores: float = 0.1, interval: float = 0.25, timeout: float = 5.0) -> float:
+def settle(pids: list[int], idle_cores: float = 0.1, interval: float = 0.25, timeout: float = 5.0) -> None:
     """Waits until the processes ``pids`` and their children together use less than
-    ``idle_cores`` of a core over ``interval`` seconds (at most ``timeout``); returns the
-    seconds waited. A server whose threads keep running after its response (vLLM's CPU
+    ``idle_cores`` of a core over ``interval`` seconds (at most ``timeout``). A server whose threads keep running after its response (vLLM's CPU
     build: about one core for a second, measured) would otherwise slow whichever server
     is measured next: call it between measurements of different servers."""
 
@@ -54,9 +53,8 @@ def settle(pids: list[int], idle_cores: float = 0.1, interval: float = 0.25, tim
         time.sleep(interval)
         now = cpu_seconds()
         if now - last < idle_cores * interval:
-            break
+            return
         last = now
-    return time.monotonic() - t0
 
 
 @contextmanager

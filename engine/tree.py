@@ -82,6 +82,23 @@ def path(parents: tuple[int, ...], node: int) -> list[int]:
     return out[::-1]
 
 
+def leaf_paths(parents: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """``(path, own)`` per leaf, in node order of the leaves: ``path(parents, leaf)``, and the
+    nodes of it on no earlier leaf's path (a suffix of it); every node is in exactly one ``own``.
+
+    >>> leaf_paths((-1, 0, 0, 1))  # 0 - 1 - 3 and 0 - 2
+    [([0, 2], [0, 2]), ([0, 1, 3], [1, 3])]
+    """
+    inner = set(parents)
+    seen, out = set(), []
+    for leaf in (i for i in range(len(parents)) if i not in inner):
+        nodes = path(parents, leaf)
+        own = [n for n in nodes if n not in seen]
+        seen.update(own)
+        out.append((nodes, own))
+    return out
+
+
 def path_tokens(token_ids: list[int], parents: tuple[int, ...] | None, num_nodes: int) -> list[list[int]]:
     """Per verification row ``0 .. num_nodes``: the drafted tokens on the branch before
     it (row 0: none; row ``i + 1``: the path to node ``i``)."""

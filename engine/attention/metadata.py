@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine import tree
+
 # Requests with more new tokens than this are attended on their own.
 MAX_BATCHED_QUERY = 64
 
@@ -68,7 +70,7 @@ class ListedQueries:
     """Tokens that each attend over a prefix of a list of KV slots (``cpu_kernels.paged_attention``):
     no padding, no gather. The tokens of a chain share their request's list, each seeing one
     key more than the one before. A tree has one list per leaf, the committed prefix and the
-    path from a root down to that leaf (``leaf_paths``); each node is listed once, under the
+    path from a root down to that leaf (``engine.tree.leaf_paths``); each node is listed once, under the
     first leaf whose path holds it, and sees the committed prefix, its ancestors and itself.
     Consecutive tokens of one list are attended together by the kernel (it reads each key
     once for them)."""
@@ -169,28 +171,6 @@ def _batched(specs: list[SeqSpec], starts: list[int], total_tokens: int, block_s
     )
 
 
-def leaf_paths(parents: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
-    """``(path, own)`` per leaf of a tree, in node order of the leaves: the nodes from a root
-    down to the leaf, and the ones of them on no earlier leaf's path (a suffix of the
-    path); every node is in exactly one ``own``.
-
-    >>> leaf_paths((-1, 0, 0, 1))  # 0 - 1 - 3 and 0 - 2
-    [([0, 2], [0, 2]), ([0, 1, 3], [1, 3])]
-    """
-    inner = {p for p in parents if p >= 0}
-    seen, out = set(), []
-    for leaf in (i for i in range(len(parents)) if i not in inner):
-        path, node = [], leaf
-        while node >= 0:
-            path.append(node)
-            node = parents[node]
-        path.reverse()
-        own = [n for n in path if n not in seen]
-        seen.update(own)
-        out.append((path, own))
-    return out
-
-
 def _listed(specs: list[SeqSpec], starts: list[int], all_slots: list[np.ndarray]) -> ListedQueries:
     rows, start, length, lists, offset = [], [], [], [], 0
     for spec, first, slots in zip(specs, starts, all_slots):
@@ -202,7 +182,7 @@ def _listed(specs: list[SeqSpec], starts: list[int], all_slots: list[np.ndarray]
             lists.append(slots)
             offset += len(slots)
             continue
-        for path, own in leaf_paths(spec.parents):  # a node at depth d sees the first c + d + 1 of its path's list
+        for path, own in tree.leaf_paths(spec.parents):  # a node at depth d sees the first c + d + 1 of its path's list
             rows.append(first + np.array(own))
             start.append(np.full(len(own), offset))
             length.append(c + 1 + np.arange(len(path) - len(own), len(path)))
