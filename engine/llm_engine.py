@@ -340,7 +340,7 @@ class LLMEngine:
             self.policy.end_step(plan)
             if self.cost_tracker is not None and all(len(s.token_ids) == 1 for s in scheduled.scheduled):
                 rows = scheduled.num_tokens + sum(result.num_drafted.values())  # decode step: last tokens + drafts
-                self.policy.step_costs = self.cost_tracker.observe(rows, times.execute_s, bool(result.num_drafted))
+                self.policy.step_costs = self.cost_tracker.observe(rows, times.execute_s, result.verify_s)
         if self.stat_loggers:
             try:  # metrics must never fail the step: its tokens are already committed
                 stats = make_step_stats(self, scheduled, result, touched, times)

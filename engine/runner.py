@@ -38,6 +38,7 @@ bitmask rows for this step (``execute``'s ``grammar_masks``), computed
 engine-side where the grammar matchers live.
 """
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -136,7 +137,9 @@ class ModelRunner:
         if not any(row_drafts):
             result = self._sample(logits, requests)
         else:
+            start = time.perf_counter()
             result = self._verify(logits, sched, row_drafts)
+            result.verify_s = time.perf_counter() - start
         for rid, tokens in result.sampled.items():
             self.requests[rid].token_ids.extend(tokens)
         return result

@@ -90,8 +90,10 @@ class RunnerOutput:
     features: dict[str, tuple] = field(default_factory=dict)
     # request id -> the accepted branch's node indices, for a token tree whose first node was accepted
     accepted_nodes: dict[str, list[int]] = field(default_factory=dict)
+    verify_s: float = 0.0  # seconds in the verification rule (0: no drafts): the policy's fixed cost
 
     def merge(self, other: "RunnerOutput") -> None:
+        self.verify_s += other.verify_s
         for mine, theirs in ((self.sampled, other.sampled), (self.logprobs, other.logprobs),
                              (self.prompt_logprobs, other.prompt_logprobs),
                              (self.num_drafted, other.num_drafted), (self.num_accepted, other.num_accepted),

@@ -7,28 +7,42 @@ drifts (other processes, memory bandwidth shared with neighbours, the event
 loop's work beside the engine), and with it the price of verification. Each
 decode step (no prompt tokens in it, so its time is a function of its rows)
 is an observation ``(R, seconds)``. The table is held in seconds at its
-measured rows; an observation between rows ``r_i`` and ``r_i+1`` pulls both
-towards it in proportion to their interpolation weights::
+measured rows; an observation between rows ``r_i`` (included) and ``r_i+1``
+pulls the row below it by its interpolation weight, and ``r_i+1`` and every
+row above by the whole drift::
 
     w = (R - r_i) / (r_i+1 - r_i)            predicted = (1 - w) s_i + w s_i+1
-    ratio = clip(seconds / predicted, 1/2, 2)
-    s_i   *= 1 + alpha (1 - w) (ratio - 1)   s_i+1 *= 1 + alpha w (ratio - 1)
+    d = alpha (clip(seconds / predicted, 1/2, 2) - 1)
+    s_i *= 1 + (1 - w) d                     s_j *= 1 + d   for every j > i
 
-and every entry above ``r_i+1`` moves by the same factor as ``s_i+1``: rows
-beyond the observed ones are predicted to drift as the nearest observed row
-did. Without that, the largest plain batch (64 requests) pulled its entry up
-to the one above it, which no plain step ever reaches, and drafts at that
-batch looked free (measured: 5,816 drafts, 15% accepted, 0.74x of plain in one
-64-request wave). The policy's relative table is ``s / s_0``, made
+Rows beyond the observed ones are predicted to drift as the observed row did,
+so the table keeps its timed shape above the rows the steps reach. Without
+that, the largest plain batch (64 requests) pulled its entry up to the one
+above it, which no plain step ever reaches, and drafts at that batch looked
+free (measured: 5,816 drafts, 15% accepted, 0.74x of plain in one 64-request
+wave); and at batch 1, where every plain step lands on row 1 itself, the rows
+above kept their start-up seconds while row 1 drifted to the serving steps'
+time (about 1.5x the start-up minimum on the bench machine), so the relative
+costs of 2-5 rows fell to 1.00-1.03 and the fixed cost below (0.22-0.28)
+absorbed the difference. The policy's relative table is ``s / s_0``, made
 non-decreasing. One slow step moves an entry by at most ``alpha`` (5%).
 Observations come only from steps already run: the plan of a step never
 depends on its own drafts.
 
-Only plain decode steps move the table. A step that verifies drafts also runs
-the verification rule and builds the drafts' metadata; what it took beyond the
-table's prediction for its rows is averaged (same ``alpha``, at least 0) into
-``verify_fixed``, the fixed cost of a verifying pass that the policy charges a
-step's drafts as a whole (``SpecPolicy._step_pays``).
+Every decode step moves the table, verifying ones included: at batch 1 they are
+the only steps that reach the rows above 1, whose start-up times vary by
++-10% from one start to the next on the bench machine (2 rows: 1.00-1.13 of
+one). A verifying step also runs the verification rule (``ModelRunner``
+times it: ``RunnerOutput.verify_s``); the table takes the step's time
+without it, and the rule's time is averaged (same ``alpha``) into
+``verify_fixed``, the fixed cost of a verifying pass that the policy charges
+a step's drafts as a whole (``SpecPolicy._step_pays``): about 0.6 ms at batch
+1 and 2 ms at 64 requests. It was once inferred as what verifying steps took
+beyond the table, never below 0 one step at a time; on the bench machine that
+read 0.19-0.28 of a one-token pass, the machine's noise and the table's
+start-up error, and the step check refused every draft of a 1- or 2-token
+suffix match on copy-heavy prompts, whose first draft is accepted ~20% of
+the time at a cost of ~0.05.
 """
 
 import bisect
@@ -50,26 +64,24 @@ class CostTracker:
             raise ValueError("a tracked cost table must be timed (one_token_s > 0)")
         self.rows = costs.rows
         self.seconds = [c * costs.one_token_s for c in costs.costs]
-        self.verify_extra_s = 0.0  # what a verifying step took beyond the table (average)
+        self.verify_s = 0.0  # the verification rule's time in a verifying step (average)
         self.num_observed = 0
 
-    def observe(self, rows: int, seconds: float, verified: bool = False) -> StepCosts:
-        """A decode step of ``rows`` tokens (``verified``: some of them drafts) took
-        ``seconds``; returns the updated table."""
+    def observe(self, rows: int, seconds: float, verify_s: float = 0.0) -> StepCosts:
+        """A decode step of ``rows`` tokens took ``seconds``, ``verify_s`` of them in the
+        verification rule (0: no drafts); returns the updated table."""
+        if verify_s > 0:
+            self.verify_s += ALPHA * (verify_s - self.verify_s)
+            seconds -= verify_s
         r = self.rows
         i = min(max(bisect.bisect_right(r, rows) - 1, 0), len(r) - 2)
         w = min(max((rows - r[i]) / (r[i + 1] - r[i]), 0.0), 1.0)
         predicted = (1 - w) * self.seconds[i] + w * self.seconds[i + 1]
         self.num_observed += 1
-        if verified:
-            extra = min(max(seconds - predicted, 0.0), predicted)
-            self.verify_extra_s += ALPHA * (extra - self.verify_extra_s)
-            return self.table()
-        ratio = min(max(seconds / predicted, 1 / MAX_RATIO), MAX_RATIO)
-        self.seconds[i] *= 1 + ALPHA * (1 - w) * (ratio - 1)
-        above = 1 + ALPHA * w * (ratio - 1)
+        drift = ALPHA * (min(max(seconds / predicted, 1 / MAX_RATIO), MAX_RATIO) - 1)
+        self.seconds[i] *= 1 + (1 - w) * drift
         for j in range(i + 1, len(self.seconds)):
-            self.seconds[j] *= above
+            self.seconds[j] *= 1 + drift
         return self.table()
 
     def table(self) -> StepCosts:
@@ -78,7 +90,7 @@ class CostTracker:
             floor = max(floor, s / self.seconds[0])
             costs.append(floor)
         return StepCosts(self.rows, tuple(costs), one_token_s=self.seconds[0],
-                         verify_fixed=self.verify_extra_s / self.seconds[0])
+                         verify_fixed=self.verify_s / self.seconds[0])
 
 
 @torch.inference_mode()

@@ -10,17 +10,28 @@ from engine.spec_decode.policy import StepCosts
 START = StepCosts((1, 5, 17), (1.0, 1.2, 2.0), one_token_s=0.010)  # 10 ms, 12 ms, 20 ms
 
 
-def test_an_observation_on_a_row_moves_that_row_only():
+def test_an_observation_on_a_row_moves_it_and_every_row_above_alike():
     t = CostTracker(START)
     table = t.observe(5, 0.024)  # twice the 12 ms predicted for 5 rows
-    assert t.seconds == pytest.approx([0.010, 0.012 * (1 + ALPHA), 0.020])
-    assert table.costs == pytest.approx((1.0, 1.2 * (1 + ALPHA), 2.0))
+    assert t.seconds == pytest.approx([0.010, 0.012 * (1 + ALPHA), 0.020 * (1 + ALPHA)])
+    assert table.costs == pytest.approx((1.0, 1.2 * (1 + ALPHA), 2.0 * (1 + ALPHA)))
 
 
-def test_an_observation_between_rows_is_shared_by_interpolation_weight():
+def test_an_observation_between_rows_moves_the_row_below_by_interpolation_weight():
     t = CostTracker(START)
     t.observe(11, 0.016 * 1.5)  # halfway between 5 and 17 rows (16 ms predicted), 1.5x
-    assert t.seconds == pytest.approx([0.010, 0.012 * (1 + ALPHA * 0.25), 0.020 * (1 + ALPHA * 0.25)])
+    assert t.seconds == pytest.approx([0.010, 0.012 * (1 + ALPHA * 0.25), 0.020 * (1 + ALPHA * 0.5)])
+
+
+def test_one_row_steps_slower_than_timed_keep_the_relative_costs_of_the_rows_above():
+    """Batch 1: every plain step lands on row 1. Served steps 1.5x the start-up time
+    leave drafts as dear, relative to a step, as timed; they fell to 1.0 when the
+    rows above kept their start-up seconds."""
+    t = CostTracker(START)
+    for _ in range(300):
+        table = t.observe(1, 0.015)
+    assert table.one_token_s == pytest.approx(0.015, rel=0.01)
+    assert table.costs == pytest.approx(START.costs, rel=0.01)
 
 
 def test_verification_getting_dearer_raises_the_relative_costs():
@@ -63,17 +74,28 @@ def test_the_engine_recalibrates_a_timed_table_and_leaves_a_pinned_one(make_engi
     assert pinned.cost_tracker is None and pinned.policy.step_costs == before
 
 
-def test_a_verifying_step_moves_the_fixed_cost_not_the_table():
+def test_a_verifying_step_moves_the_table_by_its_pass_and_the_fixed_cost_by_its_rule():
     t = CostTracker(START)
-    table = t.observe(5, 0.017, verified=True)  # 5 ms beyond the 12 ms predicted for 5 rows
+    table = t.observe(5, 0.017, verify_s=0.005)  # 12 ms for the pass of 5 rows (as predicted) + 5 ms of rule
     assert t.seconds == pytest.approx([0.010, 0.012, 0.020])
     assert table.verify_fixed == pytest.approx(ALPHA * 0.005 / 0.010)
     for _ in range(300):
-        table = t.observe(5, 0.017, verified=True)
+        table = t.observe(5, 0.017, verify_s=0.005)
     assert table.verify_fixed == pytest.approx(0.5, rel=0.01)
+    assert t.seconds == pytest.approx([0.010, 0.012, 0.020])
+    table = t.observe(1, 0.010)  # a plain step leaves the fixed cost
+    assert table.verify_fixed == pytest.approx(0.5, rel=0.01)
+
+
+def test_verifying_steps_correct_the_rows_above_one_at_batch_1():
+    """Timed at start-up at 2.0 x one row, passes of 17 rows take 1.6 x once served:
+    at batch 1 only verifying steps reach those rows, and they bring the entry down."""
+    t = CostTracker(START)
     for _ in range(300):
-        table = t.observe(5, 0.008, verified=True)  # faster than predicted: no negative fixed cost
-    assert 0.0 <= table.verify_fixed < 0.01
+        t.observe(1, 0.010)
+        table = t.observe(17, 0.0165, verify_s=0.0005)
+    assert table(17) == pytest.approx(1.6, rel=0.02)
+    assert table.verify_fixed == pytest.approx(0.05, rel=0.01)
 
 
 def test_rows_above_the_observed_ones_drift_with_them_so_drafts_keep_their_price():
