@@ -223,6 +223,8 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, requests: list[RequestState]) -> RunnerOutput:
         """Plain decoding: one token per request. logits [n, vocab]; logprobs are of the raw
         logits, the sample of the grammar-masked ones."""
+        if self._plain_greedy(requests):
+            return _greedy_chains(logits, requests, [None] * len(requests))
         batch = build_sampling_batch(requests, self.vocab_size, self.device, self._generators(requests))
         tokens = sample(self._masked(logits, [(r.request_id, 0) for r in requests]), batch)
         result = RunnerOutput({r.request_id: [t] for r, t in zip(requests, tokens.tolist())})
@@ -238,6 +240,8 @@ class ModelRunner:
         (``engine.spec_decode.metadata``).
         """
         requests = [self.requests[s.request_id] for s in sched]
+        if self._plain_greedy(requests) and all(tree.is_chain(d.parents) for d in drafts if d):
+            return _greedy_chains(logits, requests, drafts)
         meta = build_verify_metadata([d.token_ids if d else [] for d in drafts], [d.parents if d else None for d in drafts],
                                      [d.probs if d else None for d in drafts], self.vocab_size, self.device)
         k = meta.num_draft_tokens.tolist()
@@ -322,6 +326,15 @@ class ModelRunner:
         tokens = torch.tensor([result.sampled[requests[row_req[i]].request_id][order[row_req[i]][row_pos[i]]] for i in keep])
         self._add_logprobs(result, logits[self._t(np.array(keep))], tokens, [requests[row_req[i]] for i in keep], top_n)
 
+    def _plain_greedy(self, requests: list[RequestState]) -> bool:
+        """Every request greedy with nothing that changes its logits or output (penalties,
+        logit_bias, a grammar, logprobs): the argmax of the raw logits is its token."""
+        return all(
+            r.params.greedy and not r.params.has_penalties and not r.params.logit_bias and r.params.logprobs is None
+            and r.request_id not in self._grammar_masks
+            for r in requests
+        )
+
     def _masked(self, logits: torch.Tensor, rows: list[tuple[str, int]]) -> torch.Tensor:
         """logits [R, vocab] with the tokens outside row j's grammar at -inf, ``rows[j]`` being
         (request id, drafts before the row); ``logits`` itself when no row has a grammar."""
@@ -346,6 +359,30 @@ class ModelRunner:
         if g is None:
             g = self.generators[request_id] = torch.Generator(self.device).manual_seed(params.seed)
         return g
+
+
+def _greedy_chains(logits: torch.Tensor, requests: list[RequestState], drafts: list[Draft | None]) -> RunnerOutput:
+    """The greedy rule for plain greedy requests (``ModelRunner._plain_greedy``) and chains:
+    each keeps its drafts up to the first that differs from the target's argmax, then the
+    argmax after them; a request without drafts takes its row's argmax. The tokens of
+    ``greedy_verify`` and ``sample`` through the sampling batch (the same argmax over
+    the same logits), without the batch's per-row tensors: a batch-1 step's rule took
+    0.8-0.9 ms that way, the sampler of a plain step 0.22 ms. logits [R, vocab], R =
+    the requests' drafts + 1 each, request by request."""
+    argmax = logits.argmax(-1).tolist()  # [R]
+    result = RunnerOutput({})
+    row = 0
+    for r, d in zip(requests, drafts):
+        ids = d.token_ids if d else ()
+        j = 0
+        while j < len(ids) and ids[j] == argmax[row + j]:
+            j += 1
+        result.sampled[r.request_id] = argmax[row : row + j + 1]
+        if ids:
+            result.num_drafted[r.request_id] = len(ids)
+            result.num_accepted[r.request_id] = j
+        row += len(ids) + 1
+    return result
 
 
 def _fed_tree(s: ScheduledRequest, draft: Draft | None) -> tuple[int, ...] | None:

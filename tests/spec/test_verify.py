@@ -130,3 +130,27 @@ def test_a_deterministic_draft_is_verified_alike_beside_a_sampled_one():
         assert (out[1].tolist(), int(acc[1])) == (alone, alone_acc)
         accepted += int(acc[1])
     assert accepted == 50  # p(0) = 0.5 of the uniforms accept it, not every one (q = 0 would accept all)
+
+
+def test_the_runners_greedy_chain_rule_matches_greedy_verify():
+    """``engine.runner._greedy_chains`` (plain greedy requests, chains) against the
+    general rule on the same logits: the same tokens and accepted counts, requests
+    without drafts included."""
+    from types import SimpleNamespace
+
+    from engine.runner import _greedy_chains
+    from engine.spec_decode.drafter import Draft
+
+    gen = torch.Generator().manual_seed(1)
+    n, k, vocab = 64, 5, 4
+    drafted = [torch.randint(0, vocab, (m,), generator=gen).tolist() for m in torch.randint(0, k + 1, (n,), generator=gen).tolist()]
+    logits = torch.randn(sum(map(len, drafted)) + n, vocab, generator=gen)
+    out, acc = greedy_verify(logits.argmax(-1), chains(drafted, vocab=vocab))
+    requests = [SimpleNamespace(request_id=f"r{i}") for i in range(n)]
+    result = _greedy_chains(logits, requests, [Draft(d) if d else None for d in drafted])
+    for i, d in enumerate(drafted):
+        j = int(acc[i])
+        assert result.sampled[f"r{i}"] == out[i, : j + 1].tolist()
+        assert result.num_accepted.get(f"r{i}") == (j if d else None)
+        assert result.num_drafted.get(f"r{i}") == (len(d) or None)
+    assert 0 < acc.float().mean() < k
