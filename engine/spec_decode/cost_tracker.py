@@ -33,16 +33,16 @@ Every decode step moves the table, verifying ones included: at batch 1 they are
 the only steps that reach the rows above 1, whose start-up times vary by
 +-10% from one start to the next on the bench machine (2 rows: 1.00-1.13 of
 one). A verifying step also runs the verification rule (``ModelRunner``
-times it: ``RunnerOutput.verify_s``); the table takes the step's time
-without it, and the rule's time is averaged (same ``alpha``) into
-``verify_fixed``, the fixed cost of a verifying pass that the policy charges
-a step's drafts as a whole (``SpecPolicy._step_pays``): about 0.6 ms at batch
-1 and 2 ms at 64 requests. It was once inferred as what verifying steps took
-beyond the table, never below 0 one step at a time; on the bench machine that
-read 0.19-0.28 of a one-token pass, the machine's noise and the table's
-start-up error, and the step check refused every draft of a 1- or 2-token
-suffix match on copy-heavy prompts, whose first draft is accepted ~20% of
-the time at a cost of ~0.05.
+times it: ``RunnerOutput.verify_s``); the table takes the step's time without
+it, and the rule's time is averaged (same ``alpha``) into ``verify_fixed``,
+the fixed cost of a verifying pass that the policy charges a step's drafts as
+a whole (``SpecPolicy._step_pays``): 0.16 ms for a batch-1 greedy chain on the
+bench machine, more where requests sample. It used to be inferred as what
+verifying steps took beyond a table that only plain steps moved, floored at 0
+step by step; with the rows above 1 left at their start-up seconds, that read
+0.19-0.28 of a one-token pass at batch 1, and the step check refused every
+draft of a 1- or 2-token suffix match on copy-heavy prompts (first draft
+accepted ~20% of the time, at ~0.05-0.1 of a step).
 """
 
 import bisect

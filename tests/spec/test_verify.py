@@ -1,10 +1,14 @@
 """The verification function on hand-made inputs: the reference's worked
 example computed exactly, greedy matching, bonus tokens, padding."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 
 from engine.rejection_sampler import PLACEHOLDER, greedy_verify, rejection_sample, residual_distribution
+from engine.runner import _greedy_chains
+from engine.spec_decode.drafter import Draft
 from engine.spec_decode.metadata import build_verify_metadata
 
 P = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
@@ -136,11 +140,6 @@ def test_the_runners_greedy_chain_rule_matches_greedy_verify():
     """``engine.runner._greedy_chains`` (plain greedy requests, chains) against the
     general rule on the same logits: the same tokens and accepted counts, requests
     without drafts included."""
-    from types import SimpleNamespace
-
-    from engine.runner import _greedy_chains
-    from engine.spec_decode.drafter import Draft
-
     gen = torch.Generator().manual_seed(1)
     n, k, vocab = 64, 5, 4
     drafted = [torch.randint(0, vocab, (m,), generator=gen).tolist() for m in torch.randint(0, k + 1, (n,), generator=gen).tolist()]
