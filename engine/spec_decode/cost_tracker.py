@@ -22,9 +22,8 @@ above it, which no plain step ever reaches, and drafts at that batch looked
 free (measured: 5,816 drafts, 15% accepted, 0.74x of plain in one 64-request
 wave); and at batch 1, where every plain step lands on row 1 itself, the rows
 above kept their start-up seconds while row 1 drifted to the serving steps'
-time (about 1.5x the start-up minimum on the bench machine), so the relative
-costs of 2-5 rows fell to 1.00-1.03 and the fixed cost below (0.22-0.28)
-absorbed the difference. The policy's relative table is ``s / s_0``, made
+time, so the relative costs of 2-5 rows fell to 1.00-1.03 (see the fixed cost
+below). The policy's relative table is ``s / s_0``, made
 non-decreasing. One slow step moves an entry by at most ``alpha`` (5%).
 Observations come only from steps already run: the plan of a step never
 depends on its own drafts.
