@@ -31,8 +31,13 @@ of a plain step is ``T(n) / n``, and ``g`` drafts add ``T(n + g) - T(n)``::
 so drafting that pays at batch 1 stops paying as the batch grows (the drafts
 granted earlier in a step count in ``T`` for the requests after them). A pass
 that verifies anything also costs a fixed ``F`` beyond its rows (the tracked
-table's ``verify_fixed``); the plan then keeps the step's drafts only if, as a
-whole, ``(n + sum of expected accepted) / (T(R) + F) >= n / T(n)``.
+table's ``verify_fixed``, in one-token passes): the first request that drafts in
+a step bears it (``F * n / T(n)`` more in its ``V``), the later ones pay their
+rows only. Each decision so pays its own way, and the step's drafts pay as a
+whole. (A check of the step as a whole after the decisions used to veto them
+instead; a vetoed request drafted nothing, so its record never changed, and at
+batch 1 one sat at a first-draft estimate of 0.11, just above paying without
+``F``, just below with it, for 1,775 steps of nine EAGLE answers.)
 
 A round emits ``1 + a_1 + ... + a_g`` tokens on average, ``a_i`` being the
 probability that the first ``i`` drafts are all accepted (the survival form of
@@ -43,8 +48,14 @@ Estimates of the conditional acceptance ``r_i = P(draft i accepted | drafts
 before it accepted)``, so that ``a_i = r_1 * ... * r_i``, are kept per request
 and per context class (a 5-token suffix match predicts far better than a
 1-token one), starting from the rates pooled over all requests of that class.
-The policy picks the ``g`` in ``1..k`` with the best tokens per cost; when even
-that is below 1, that class of the request stops drafting for a while, then
+The policy picks the ``g`` in ``1..k`` with the best tokens per cost. When even
+that is below 1 by the request's own record, the rates pooled over all requests
+of the class (a slower average) have a second say: if drafting pays by them,
+the request drafts as they advise. The request's record, a 0.3-weight average,
+wanders far from a steady rate (at a first-draft acceptance of 0.4, four misses
+in a row take it to 0.1, below paying), and a pause is long to undo; on nine
+EAGLE answers the head paused in 954 of 2,367 steps without that second say.
+When neither pays, that class of the request stops drafting for a while, then
 retries with a probe round. A request new to a class starts with the pause
 length the class has over all requests (doubled by each probe that missed,
 halved by each round that accepted), so that under steady load a drafter that
@@ -265,7 +276,12 @@ class SpecPolicy:
         key = (1, 1) if alone else (batch, rows)
         v = self._verify_memo.get(key)
         if v is None:
-            v = self._verify_memo[key] = self._step_costs.verify_at(range(most + 1), *key)
+            costs = self._step_costs
+            v = costs.verify_at(range(most + 1), *key)
+            if key[0] == key[1]:  # no drafts in the pass yet: these would bear its fixed cost
+                fixed = costs.verify_fixed * key[0] / costs(key[0])
+                v = v[:1] + [x + fixed for x in v[1:]]
+            self._verify_memo[key] = v
         return v
 
     @property
@@ -308,17 +324,14 @@ class SpecPolicy:
         batch = rows = max(1, num_running)
         shared_planned = self.plans_shared(num_running)
         decisions = {}
-        for c in candidates:
+        # Isolated requests first: priced alone, they draft whatever the others do, and
+        # when they do, the pass verifies anyway and the others do not bear its fixed cost.
+        for c in sorted(candidates, key=lambda c: not c.isolated):
             if not (shared_planned or c.isolated):
                 continue
             d = self._decide(c, batch, rows)
             rows += d.num_draft_slots
             decisions[c.request_id] = d
-        shared = [rid for rid, d in decisions.items() if d.num_draft_slots and not d.isolated]
-        if shared and self.config.adaptive and not self._step_pays([decisions[rid] for rid in shared], batch, rows):
-            for rid in shared:
-                d = decisions[rid]
-                decisions[rid] = Decision(0, d.context_class, fresh=d.fresh)
         return StepPlan(decisions, batch)
 
     def plans_shared(self, num_running: int) -> bool:
@@ -328,24 +341,6 @@ class SpecPolicy:
         if not self.config.adaptive or self.step_costs.per_request:
             return True
         return self.batch_pauses.plans(self.step, num_running)
-
-    def _step_pays(self, drafting: list[Decision], batch: int, rows: int) -> bool:
-        """Whether the step's drafts (of the requests priced within the batch) pay as a
-        whole, the verification pass's fixed cost included: tokens per unit of time with
-        them against without them. Each request's own choice counts its rows only; a
-        pass that verifies costs ``verify_fixed`` more (~2 ms of a 65 ms step at 64
-        requests on the bench machine), which a few marginal drafts do not pay back."""
-        costs = self.step_costs
-        if costs.per_request:  # a pinned cost: every request priced alone, as decided
-            return True
-        slots = sum(d.num_draft_slots for d in drafting)
-        tokens = sum(d.expected_tokens - 1 for d in drafting)
-        others = rows - slots  # without these drafts: plain rows, and the isolated requests' drafts
-        fixed = costs.verify_fixed
-        draft = slots * self.c * costs(batch) / batch  # c: per token, in a request's share of a plain step
-        with_drafts = (batch + tokens) / (costs(rows) + fixed + draft)
-        without = batch / (costs(others) + (fixed if others > batch else 0.0))
-        return with_drafts >= without
 
     def _decide(self, c: Candidate, batch: int, rows: int) -> Decision:
         key, alone = c.context_class, c.isolated
@@ -361,22 +356,32 @@ class SpecPolicy:
         cs = cs or fresh
         if self.step < cs.paused_until:
             return Decision(0, key, isolated=alone)
-        rates = cs.estimate()
         v = self._verify_costs(batch, rows, alone)
-        gamma, gain = self._best_chain(rates, k, v)
-        template = None
-        if c.trees and (self.static or self.config.tree_width > 1):
-            shape, tree_gain = self._best_tree(rates, cs.siblings, v)
-            if tree_gain > gain and not tree.is_chain(shape):
-                template, gain, gamma = shape, tree_gain, len(shape)
+        gamma, gain, template = self._best_round(cs, k, v, c.trees)
+        pooled = None if alone else self.pooled.get(key)
+        if gain < 1.0 and pooled is not None:  # the long run's second opinion
+            pooled_choice = self._best_round(pooled, k, v, c.trees)
+            if pooled_choice[1] >= 1.0:
+                gamma, gain, template = pooled_choice
         if gain < 1.0:
             if not cs.probing:
                 return Decision(0, key, pause=True, isolated=alone, fresh=fresh)
             gamma, template = 1, None  # a probe after a pause: the cheapest test of whether drafts pay again
-            gain = (1 + rates[0]) / (v[1] + self.c)
+            gain = (1 + cs.estimate()[0]) / (v[1] + self.c)
         passes = int(tree.depths(template).max()) + 1 if template else gamma  # drafting: one pass per depth
         tokens = gain * (v[gamma] + passes * self.c)
         return Decision(gamma, key, isolated=alone, fresh=fresh, template=template, expected_tokens=tokens)
+
+    def _best_round(self, cs: ClassState, k: int, v: list[float], trees: bool):
+        """``(drafts, gain, tree template or None)``: the best chain, or tree where allowed
+        and better, by the record ``cs``; ``v``: ``_verify_costs``."""
+        rates = cs.estimate()
+        gamma, gain = self._best_chain(rates, k, v)
+        if trees and (self.static or self.config.tree_width > 1):
+            shape, tree_gain = self._best_tree(rates, cs.siblings, v)
+            if tree_gain > gain and not tree.is_chain(shape):
+                return len(shape), tree_gain, shape
+        return gamma, gain, None
 
     def _fresh(self, key: int, isolated: bool) -> ClassState:
         """A request's first record of a class: the pooled one's rates, else (or when

@@ -75,6 +75,26 @@ def test_a_probe_after_a_pause_that_misses_pauses_again_at_once():
     assert policy.is_paused("r") and policy.states["r"].classes[0].pause_len == 32
 
 
+def test_the_pooled_rates_keep_a_request_drafting_through_a_run_of_misses():
+    """First drafts accepted 40% of the time over all requests pay (1.4 tokens for 1.1 of
+    a step); four misses in a row take one request's own record to 0.1, below paying.
+    The pooled rates' second say keeps it drafting instead of pausing it. A seeded request
+    has its own record only: a run of misses pauses it."""
+    policy = SpecPolicy(SpeculativeConfig(method="eagle", num_speculative_tokens=4), 0.0, StepCosts.linear(0.1))
+    policy.pooled[0] = ClassState([0.4] * 4, tested=4)
+    for _ in range(4):
+        assert step(policy, accepted=0) > 0
+    assert policy.states["r"].classes[0].rates[0] < 0.1 < policy.pooled[0].rates[0]
+    assert slots(policy) > 0 and not policy.is_paused("r")
+    seeded = policy.plan([Candidate("s", 0, isolated=True)], 1).decisions["s"]
+    misses = 0
+    while seeded.num_draft_slots:
+        policy.record("s", seeded, seeded.num_draft_slots, 0)
+        policy.end_step()
+        seeded, misses = policy.plan([Candidate("s", 0, isolated=True)], 1).decisions["s"], misses + 1
+    assert seeded.pause and misses < 10
+
+
 def test_a_costly_drafter_probes_with_one_draft_and_one_lucky_hit_does_not_restart_it():
     # Drafts cost 0.4 of a step each and are right 10% of the time: they never pay.
     policy = SpecPolicy(SpeculativeConfig(method="early_exit", num_speculative_tokens=3), 0.4, StepCosts.linear(0.0))
@@ -118,9 +138,11 @@ def test_a_request_new_to_a_class_whose_probes_keep_missing_waits_longer_before_
 
 def test_context_classes_keep_their_own_statistics_and_pool_across_requests():
     policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=8), 0.0, StepCosts.linear(0.05))
-    for _ in range(30):  # short matches miss ...
-        step(policy, klass=1, accepted=0)
+    misses = 0
+    while step(policy, klass=1, accepted=0):  # short matches miss, until even the pooled rate says so ...
+        misses += 1
     assert slots(policy, klass=1) == 0 and policy.is_paused("r")
+    assert misses > 30  # the request's own record alone paused it after 5 (0.5 * 0.7^5 < 0.05)
     # ... a long match in the same request still drafts
     assert step(policy, klass=5, accepted=8) > 0 and not policy.is_paused("r")
     for _ in range(20):
@@ -154,24 +176,25 @@ def test_drafting_that_pays_alone_stops_in_a_compute_bound_batch():
     assert slots(policy, "s", num_running=16) == 0
 
 
-def test_drafts_that_pay_one_by_one_are_dropped_when_the_verifying_pass_does_not_pay():
+def test_the_first_request_to_draft_in_a_step_bears_the_passs_fixed_cost():
     """Each of 16 requests gains a little from one draft on its own rows; the pass that
-    verifies them costs a fixed 0.5 more, which their expected 0.7 accepted tokens each
-    (11.2 in all) do not pay back: the step decodes plainly. Without the fixed cost it drafts.
-    A seeded (isolated) request, priced alone, keeps its draft; then the pass verifies
-    anyway, its fixed cost is not charged again, and the others draft too."""
+    verifies costs a fixed 0.3 of a one-token pass more, which the first request to draft
+    bears alone (0.3 * 16 / T(16) = 2.5 of its share of a step) and cannot pay: the step
+    decodes plainly. Without the fixed cost all draft. A seeded (isolated) request is
+    planned first, priced alone with the fixed cost, and drafts; the pass then verifies
+    anyway, and the others draft too, paying their rows only."""
     table = ((1, 17, 33), (1.0, 2.0, 3.0))  # T(16) = 1.94, 1/16 of a one-token pass per extra row
     policy = lambda fixed: SpecPolicy(  # noqa: E731
         SpeculativeConfig(method="ngram", num_speculative_tokens=1), 0.0,
         StepCosts(*table, one_token_s=0.01, verify_fixed=fixed),
     )
-    cheap, dear = policy(0.0), policy(0.5)
+    cheap, dear = policy(0.0), policy(0.3)
     for p in (cheap, dear):
         p.pooled[0] = ClassState([0.7], tested=1)
     candidates = [Candidate(f"r{i}", 0) for i in range(16)]
     assert sum(cheap.plan(candidates, 16).num_draft_slots.values()) == 16
     assert dear.plan(candidates, 16).num_draft_slots == {}
-    seeded = candidates[:-1] + [Candidate("seeded", 0, isolated=True)]
+    seeded = candidates[:-1] + [Candidate("seeded", 0, isolated=True)]  # last in order, planned first
     assert dear.plan(seeded, 16).num_draft_slots == {c.request_id: 1 for c in seeded}
 
 

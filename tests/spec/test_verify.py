@@ -7,9 +7,11 @@ import numpy as np
 import torch
 
 from engine.rejection_sampler import PLACEHOLDER, greedy_verify, rejection_sample, residual_distribution
-from engine.runner import _greedy_chains
+from engine import tree
+from engine.runner import _greedy_rule
 from engine.spec_decode.drafter import Draft
 from engine.spec_decode.metadata import build_verify_metadata
+from engine.tree_sampler import tree_verify
 
 P = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
 Q = torch.tensor([0.2, 0.6, 0.2], dtype=torch.float64)
@@ -137,7 +139,7 @@ def test_a_deterministic_draft_is_verified_alike_beside_a_sampled_one():
 
 
 def test_the_runners_greedy_chain_rule_matches_greedy_verify():
-    """``engine.runner._greedy_chains`` (plain greedy requests, chains) against the
+    """``engine.runner._greedy_rule`` (plain greedy requests) on chains against the
     general rule on the same logits: the same tokens and accepted counts, requests
     without drafts included."""
     gen = torch.Generator().manual_seed(1)
@@ -146,10 +148,52 @@ def test_the_runners_greedy_chain_rule_matches_greedy_verify():
     logits = torch.randn(sum(map(len, drafted)) + n, vocab, generator=gen)
     out, acc = greedy_verify(logits.argmax(-1), chains(drafted, vocab=vocab))
     requests = [SimpleNamespace(request_id=f"r{i}") for i in range(n)]
-    result = _greedy_chains(logits, requests, [Draft(d) if d else None for d in drafted])
+    result = _greedy_rule(logits, requests, [Draft(d) if d else None for d in drafted])
     for i, d in enumerate(drafted):
         j = int(acc[i])
         assert result.sampled[f"r{i}"] == out[i, : j + 1].tolist()
         assert result.num_accepted.get(f"r{i}") == (j if d else None)
         assert result.num_drafted.get(f"r{i}") == (len(d) or None)
+    assert not result.accepted_nodes
     assert 0 < acc.float().mean() < k
+
+
+def random_tree(gen, nodes: int, vocab: int) -> tuple[list[int], tuple[int, ...]]:
+    """Tokens and parents of a random tree, siblings distinct, parents first."""
+    parents, tokens = [], []
+    for i in range(nodes):
+        parent = int(torch.randint(-1, i, (1,), generator=gen)) if i else -1
+        taken = {t for t, p in zip(tokens, parents) if p == parent}
+        free = [t for t in range(vocab) if t not in taken]
+        if not free:
+            break
+        parents.append(parent)
+        tokens.append(free[int(torch.randint(0, len(free), (1,), generator=gen))])
+    return tokens, tuple(parents)
+
+
+def test_the_runners_greedy_rule_on_trees_matches_tree_verify():
+    """On random trees (and chains and no drafts beside them in one batch) the runner's
+    greedy rule returns ``tree_verify``'s tokens, accepted counts and accepted nodes."""
+    gen = torch.Generator().manual_seed(2)
+    n, vocab = 96, 3
+    drafts = []
+    for i in range(n):
+        size = int(torch.randint(0, 8, (1,), generator=gen))
+        tokens, parents = random_tree(gen, size, vocab)
+        drafts.append(None if not tokens else Draft(tokens, None, None if tree.is_chain(parents) else parents))
+    logits = torch.randn(sum(len(d.token_ids) for d in drafts if d) + n, vocab, generator=gen)
+    meta = build_verify_metadata([d.token_ids if d else [] for d in drafts], [d.parents if d else None for d in drafts],
+                                 [None] * n, vocab)
+    out, acc, nodes = tree_verify(logits.argmax(-1), meta, torch.ones(n, dtype=torch.bool))
+    requests = [SimpleNamespace(request_id=f"r{i}") for i in range(n)]
+    result = _greedy_rule(logits, requests, drafts)
+    deep = 0
+    for i, d in enumerate(drafts):
+        j, rid = int(acc[i]), f"r{i}"
+        assert result.sampled[rid] == out[i, : j + 1].tolist()
+        assert result.num_accepted.get(rid) == (j if d else None)
+        path = [x for x in nodes[i].tolist() if x >= 0]
+        assert result.accepted_nodes.get(rid, []) == (path if d and d.parents is not None else [])
+        deep += j >= 2 and d is not None and d.parents is not None and path[-1] != j - 1
+    assert deep > 0  # some accepted paths leave the first-child chain
