@@ -41,12 +41,12 @@ the only steps that reach the rows above 1, whose start-up times vary by
 one). A verifying step also runs the verification rule (``ModelRunner``
 times it: ``RunnerOutput.verify_s``); the table takes the step's time without
 it, and the rule's time is averaged (same ``alpha``) into ``verify_fixed``,
-the fixed cost of a verifying pass that the policy charges a step's drafts as
-a whole (``SpecPolicy._step_pays``): 0.16 ms for a batch-1 greedy chain on the
+the fixed cost of a verifying pass, which the first request to draft in a step
+bears (``SpecPolicy._verify_costs``): 0.16 ms for a batch-1 greedy chain on the
 bench machine, more where requests sample. It used to be inferred as what
 verifying steps took beyond a table that only plain steps moved, floored at 0
 step by step; with the rows above 1 left at their start-up seconds, that read
-0.19-0.28 of a one-token pass at batch 1, and the step check refused every
+0.19-0.28 of a one-token pass at batch 1, and the policy refused every
 draft of a 1- or 2-token suffix match on copy-heavy prompts (first draft
 accepted ~20% of the time, at ~0.05-0.1 of a step).
 """
