@@ -22,22 +22,12 @@ position ``num_cached + its depth``), each node paired with its parent's output
 (the last known pair's for the first level). Every guessed pair is rolled back
 after the round, as for a chain, so the accepted branch needs no KV move.
 
-The policy prices a head pass at what it takes while serving (``pass_seconds``,
-averaged over the rounds, per pass, everything ``propose`` does included: the
-head's matmuls are 0.5-1 ms of a pass that takes 1.5-2 ms with its metadata,
-embedding, top tokens and Python), relative to a one-token target pass; at the
-head's parameter share (0.07 of a step against 0.12-0.15 measured) deeper
-trees looked cheaper than they were. A round whose requests fed a backlog of
-pending pairs (after a pause or a prompt) is not timed: the first pass then
-takes in many pairs, and counting it kept the head priced out while paused.
-
 A request whose features start after a gap (its prefix came from the prefix cache,
 or the drafter dropped it after a failure) starts the head's sequence afresh there:
 the head then sees less context, which costs acceptance, never exactness. Head
 positions count from the first pair it holds.
 """
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,9 +41,6 @@ from engine import tree
 from engine.attention import SeqSpec, build_attention_metadata
 from kvcache import KVCacheManager
 from kvcache.tensors import KVSpec, PagedKV
-
-PASS_EMA = 0.05  # weight of one round in the measured seconds of a head pass
-MAX_STEADY_PENDING = 4  # rounds whose requests had more pending pairs (a backlog) are not timed
 
 
 @dataclass
@@ -79,8 +66,6 @@ class EagleDrafter(SamplingDrafter):
         self.kv = KVCacheManager(num_blocks, block_size)
         self.paged = PagedKV(KVSpec(1, cfg.num_key_value_heads, head.head_dim, block_size, dtype), num_blocks, device)
         self.cost_per_token = cost_per_token
-        self.pass_seconds: float | None = None  # a drafting pass, measured (see the module docstring)
-        self.num_passes = 0  # head passes of the current propose
         self.states: dict[str, _HeadState] = {}
         self.outputs: dict[str, list[torch.Tensor]] = {}  # a growing tree's head outputs [H]: the root's, then per node
 
@@ -101,17 +86,12 @@ class EagleDrafter(SamplingDrafter):
 
     @torch.inference_mode()
     def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
-        start, self.num_passes = time.perf_counter(), 0
         live = [s for s in slots if s.num_tokens > 0 and self._has_pending(s.request.request_id)]
-        steady = all(self.states[s.request.request_id].num_pending <= MAX_STEADY_PENDING for s in live)
         trees = [s for s in live if s.shape is not None and self._reserve_tree(s)]
         out = self._chains([s for s in live if s.shape is None])
         if trees:
             self.outputs.clear()
             out.update(grow_trees(trees, self._tree_forward, self._distributions, self._generator, self.device))
-        if steady and self.num_passes:
-            seconds = (time.perf_counter() - start) / self.num_passes
-            self.pass_seconds = seconds if self.pass_seconds is None else self.pass_seconds + PASS_EMA * (seconds - self.pass_seconds)
         return out
 
     def _reserve_tree(self, slot: DraftSlot) -> bool:
@@ -210,7 +190,6 @@ class EagleDrafter(SamplingDrafter):
     def _forward_all(self, live: list[DraftSlot], feeds, specs: list[SeqSpec]) -> torch.Tensor:
         """One batched head pass over ``feeds`` laid out as ``specs``; the output [T, H] of
         every fed pair (a tree's nodes at head position ``pos + depth``)."""
-        self.num_passes += 1
         meta = build_attention_metadata(specs, self.block_size, self.device)
         t = lambda a: torch.tensor(a, dtype=torch.long, device=self.device)  # noqa: E731
         ids = t([tok for f in feeds for tok in f[0]])

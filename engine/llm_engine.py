@@ -341,8 +341,6 @@ class LLMEngine:
             if self.cost_tracker is not None and all(len(s.token_ids) == 1 for s in scheduled.scheduled):
                 rows = scheduled.num_tokens + sum(result.num_drafted.values())  # decode step: last tokens + drafts
                 self.policy.step_costs = self.cost_tracker.observe(rows, times.execute_s, result.verify_s)
-            if self.cost_tracker is not None and self.drafter.pass_seconds is not None:
-                self.policy.c = self.drafter.pass_seconds / self.policy.step_costs.one_token_s
         if self.stat_loggers:
             try:  # metrics must never fail the step: its tokens are already committed
                 stats = make_step_stats(self, scheduled, result, touched, times)

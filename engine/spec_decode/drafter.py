@@ -49,9 +49,6 @@ class Drafter(ABC):
     deterministic: bool = True
     #: Cost of drafting one token, in target decode steps (the speculation policy's ``c``).
     cost_per_token: float = 0.0
-    #: Seconds of one drafting pass as measured while serving; when set, and the engine
-    #: tracks its step costs, the policy's ``c`` is this over a one-token target pass.
-    pass_seconds: float | None = None
 
     def context_class(self, request: "Request") -> int | None:
         """A class of ``request``'s committed context for the speculation policy, which

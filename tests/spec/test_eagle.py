@@ -232,27 +232,3 @@ def test_the_combination_picks_by_past_records(tmp_path):
     assert drafter.context_class(req) == n
     while engine.has_unfinished():
         engine.step()
-
-
-def test_the_policy_prices_a_head_pass_at_its_measured_time(tmp_path):
-    """With timed step costs, the policy's draft cost is the head's measured seconds per
-    pass over a one-token target pass; the round that takes in a prompt's backlog of
-    features is not timed; with a pinned cost the parameter share stays."""
-    model = small_target()
-    head = write_random_head(model, "eagle", tmp_path / "eagle")
-    spec = SpeculativeConfig(method="eagle", model=str(head), num_speculative_tokens=3, adaptive=False)
-    config = EngineConfig(ModelConfig(max_model_len=128, dtype="float32", device="cpu"), CacheConfig(num_blocks=64),
-                          speculative=spec)
-    engine = LLMEngine(config, model=model, tokenizer=None)
-    share = engine.policy.c
-    engine.add_request("r", PROMPTS[0], greedy(20))
-    engine.step()  # the prompt
-    engine.step()  # the first drafts, from the prompt's 8 pending pairs
-    assert engine.drafter.pass_seconds is None and engine.policy.c == share
-    while engine.has_unfinished():
-        engine.step()
-    seconds = engine.drafter.pass_seconds
-    assert seconds > 0 and engine.policy.c == pytest.approx(seconds / engine.policy.step_costs.one_token_s)
-    pinned = eagle_engine(model, "eagle", head)
-    run(pinned, PROMPTS[:1], max_tokens=10)
-    assert pinned.drafter.pass_seconds > 0 and pinned.policy.c == share
