@@ -234,7 +234,6 @@ class Decision:
     # they were at planning time); None when it has one.
     fresh: ClassState | None = None
     template: tuple[int, ...] | None = None  # a token tree's shape (engine.tree_policy); None: a chain
-    expected_tokens: float = 1.0  # tokens the round emits on average, by the estimates it was chosen with
 
 
 @dataclass(frozen=True)
@@ -367,10 +366,7 @@ class SpecPolicy:
             if not cs.probing:
                 return Decision(0, key, pause=True, isolated=alone, fresh=fresh)
             gamma, template = 1, None  # a probe after a pause: the cheapest test of whether drafts pay again
-            gain = (1 + cs.estimate()[0]) / (v[1] + self.c)
-        passes = int(tree.depths(template).max()) + 1 if template else gamma  # drafting: one pass per depth
-        tokens = gain * (v[gamma] + passes * self.c)
-        return Decision(gamma, key, isolated=alone, fresh=fresh, template=template, expected_tokens=tokens)
+        return Decision(gamma, key, isolated=alone, fresh=fresh, template=template)
 
     def _best_round(self, cs: ClassState, k: int, v: list[float], trees: bool):
         """``(drafts, gain, tree template or None)``: the best chain, or tree where allowed
