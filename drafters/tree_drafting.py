@@ -111,7 +111,7 @@ def grow_trees(slots: list[DraftSlot], forward, distributions, generator, device
         levels = [g.level(depth) for g in live]
         logits = torch.cat(forward(live, depth))  # [rows, vocab]
         requests = [g.slot.request for g, lv in zip(live, levels) for _ in lv]
-        if all(_plain_greedy(r) for r in requests):
+        if all(r.params.argmax_of_raw_logits for r in requests):  # children: the raw logits' top tokens
             _add_top_children(live, levels, logits)
             continue
         prefixes = [tuple(_branch(g, n)) for g, lv in zip(live, levels) for n in lv]
@@ -125,12 +125,6 @@ def grow_trees(slots: list[DraftSlot], forward, distributions, generator, device
                     g.add(node, rank, token, q_i)
                 row += 1
     return {g.slot.request.request_id: g.draft() for g in grows if g.token_ids}
-
-
-def _plain_greedy(request) -> bool:
-    """Greedy, with nothing that changes its logits: its children are the raw logits' top tokens."""
-    p = request.params
-    return p.greedy and not p.has_penalties and not p.logit_bias
 
 
 def _add_top_children(live: list[GrowingTree], levels: list[list[int]], logits: torch.Tensor) -> None:

@@ -333,8 +333,7 @@ class ModelRunner:
         """Every request greedy with nothing that changes its logits or output (penalties,
         logit_bias, a grammar, logprobs): the argmax of the raw logits is its token."""
         return all(
-            r.params.greedy and not r.params.has_penalties and not r.params.logit_bias and r.params.logprobs is None
-            and r.request_id not in self._grammar_masks
+            r.params.argmax_of_raw_logits and r.params.logprobs is None and r.request_id not in self._grammar_masks
             for r in requests
         )
 
