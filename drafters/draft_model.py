@@ -26,7 +26,8 @@ import torch
 
 from drafters.tree_drafting import GrowingTree, grow_trees
 from engine import tree
-from engine.attention import SeqSpec, build_attention_metadata
+from engine.attention import SeqSpec
+from engine.attention.backends import TORCH, AttentionBackend
 from engine.models.llama import head_dim_of
 from engine.request import Request
 from engine.sampler import build_sampling_batch, exponential_noise, mask_logits, penalized_logits, processed_probs
@@ -94,10 +95,12 @@ class SamplingDrafter(Drafter):
 
 
 class ModelDrafter(SamplingDrafter):
-    def __init__(self, model, num_layers: int, num_blocks: int, block_size: int, dtype, device, cost_per_token: float):
+    def __init__(self, model, num_layers: int, num_blocks: int, block_size: int, dtype, device, cost_per_token: float,
+                 attention: AttentionBackend = TORCH):
         super().__init__(device)
         self.model, self.num_layers = model, num_layers
         self.block_size = block_size
+        self.build_metadata = attention.build_metadata  # the target's backend (``cpu``: one C call a layer)
         cfg = model.config
         spec = KVSpec(num_layers, cfg.num_key_value_heads, head_dim_of(cfg), block_size, dtype)
         self.kv = KVCacheManager(num_blocks, block_size)
@@ -137,7 +140,7 @@ class ModelDrafter(SamplingDrafter):
             cached.extend(feed)
             self.grown[rid] = (len(tokens), g, len(g.parents))
         t = lambda a: torch.tensor(a, dtype=torch.long, device=self.device)  # noqa: E731
-        meta = build_attention_metadata(specs, self.block_size, self.device)
+        meta = self.build_metadata(specs, self.block_size, self.device)
         hidden = self.model(t(ids), t(positions), meta, self.paged, num_layers=self.num_layers)  # [T, hidden]
         return [self.model.compute_logits(hidden[t(r)]) for r in rows]
 
@@ -176,7 +179,7 @@ class ModelDrafter(SamplingDrafter):
             specs.append(SeqSpec(start, len(feed), self.kv.block_table(rid)))
             ids.extend(feed)
             positions.extend(range(start, start + len(feed)))
-        meta = build_attention_metadata(specs, self.block_size, self.device)
+        meta = self.build_metadata(specs, self.block_size, self.device)
         t = lambda a: torch.tensor(a, dtype=torch.long, device=self.device)  # noqa: E731
         hidden = self.model(t(ids), t(positions), meta, self.paged, num_layers=self.num_layers)
         last = np.cumsum([sp.query_len for sp in specs]) - 1
@@ -224,7 +227,7 @@ class ModelDrafter(SamplingDrafter):
         self.kv.free(request_id)
 
 
-def build(spec, *, target, tokenizer, num_blocks, block_size, dtype, device, **_) -> ModelDrafter:
+def build(spec, *, target, tokenizer, num_blocks, block_size, dtype, device, attention=TORCH, **_) -> ModelDrafter:
     """A separate, smaller model that shares the target's tokenizer."""
     from engine.loader import load_model, load_tokenizer
     from engine.model_store import resolve_model
@@ -235,7 +238,7 @@ def build(spec, *, target, tokenizer, num_blocks, block_size, dtype, device, **_
     draft = load_model(path, dtype, device, max_positions=target.rotary.cos.shape[0])
     check_same_vocab(tokenizer, load_tokenizer(path), target.config.vocab_size, draft.config.vocab_size)
     ratio = _param_count(draft) / _param_count(target)
-    return ModelDrafter(draft, draft.config.num_hidden_layers, num_blocks, block_size, dtype, device, ratio)
+    return ModelDrafter(draft, draft.config.num_hidden_layers, num_blocks, block_size, dtype, device, ratio, attention)
 
 
 def check_same_vocab(target_tok, draft_tok, target_vocab: int, draft_vocab: int) -> None:

@@ -38,7 +38,8 @@ from drafters.draft_model import SamplingDrafter, chain_draft
 from drafters.eagle_head import EagleHead, load_eagle_head
 from drafters.tree_drafting import GrowingTree, grow_trees
 from engine import tree
-from engine.attention import SeqSpec, build_attention_metadata
+from engine.attention import SeqSpec
+from engine.attention.backends import TORCH, AttentionBackend
 from kvcache import KVCacheManager
 from kvcache.tensors import KVSpec, PagedKV
 
@@ -58,9 +59,11 @@ class _HeadState:
 
 
 class EagleDrafter(SamplingDrafter):
-    def __init__(self, head: EagleHead, num_blocks: int, block_size: int, dtype, device, cost_per_token: float):
+    def __init__(self, head: EagleHead, num_blocks: int, block_size: int, dtype, device, cost_per_token: float,
+                 attention: AttentionBackend = TORCH):
         super().__init__(device)
         self.head, self.block_size = head, block_size
+        self.build_metadata = attention.build_metadata  # the target's backend (``cpu``: one C call a head pass)
         self.feature_layers = head.feature_layers
         cfg = head.config
         self.kv = KVCacheManager(num_blocks, block_size)
@@ -141,7 +144,11 @@ class EagleDrafter(SamplingDrafter):
             out = self._forward(live, feeds)  # [n, H]
             if step == 0:
                 self._ingested(live, feeds)
-            q, tokens = self._sample(self.head.draft_logits(out), [s.request for s in live], drafts)
+            requests = [s.request for s in live]
+            if all(r.params.argmax_of_raw_logits and r.grammar is None for r in requests):
+                q, tokens = [None] * len(live), self.head.draft_argmax(out).tolist()  # what _sample would give
+            else:
+                q, tokens = self._sample(self.head.draft_logits(out), requests, drafts)
             for i, s in enumerate(live):
                 drafts[s.request.request_id].append(tokens[i])
                 probs[s.request.request_id].append(q[i])
@@ -190,7 +197,7 @@ class EagleDrafter(SamplingDrafter):
     def _forward_all(self, live: list[DraftSlot], feeds, specs: list[SeqSpec]) -> torch.Tensor:
         """One batched head pass over ``feeds`` laid out as ``specs``; the output [T, H] of
         every fed pair (a tree's nodes at head position ``pos + depth``)."""
-        meta = build_attention_metadata(specs, self.block_size, self.device)
+        meta = self.build_metadata(specs, self.block_size, self.device)
         t = lambda a: torch.tensor(a, dtype=torch.long, device=self.device)  # noqa: E731
         ids = t([tok for f in feeds for tok in f[0]])
         positions = []
@@ -211,7 +218,7 @@ class EagleDrafter(SamplingDrafter):
 
 
 def eagle_factory(kind: str):
-    def factory(spec, *, target, num_blocks, block_size, dtype, device, **_) -> EagleDrafter:
+    def factory(spec, *, target, num_blocks, block_size, dtype, device, attention=TORCH, **_) -> EagleDrafter:
         from engine.model_store import resolve_model
 
         if not spec.model:
@@ -219,7 +226,7 @@ def eagle_factory(kind: str):
         path = resolve_model(spec.model)
         head = load_eagle_head(path, kind, target, dtype, device, target.rotary.cos.shape[0])
         cost = head.num_parameters() / sum(p.numel() for p in target.parameters())
-        return EagleDrafter(head, num_blocks, block_size, dtype, device, cost)
+        return EagleDrafter(head, num_blocks, block_size, dtype, device, cost, attention)
 
     factory.__doc__ = f"An {kind} head reading the target's features (drafters.eagle_head)."
     return factory

@@ -24,14 +24,16 @@ import torch
 from drafters.draft_model import SamplingDrafter, chain_draft
 from drafters.tree_drafting import grow_trees
 from engine import tree
-from engine.attention import SeqSpec, build_attention_metadata
+from engine.attention import SeqSpec
+from engine.attention.backends import TORCH, AttentionBackend
 from engine.spec_decode.drafter import Draft, DraftSlot
 
 
 class EarlyExitDrafter(SamplingDrafter):
-    def __init__(self, target, kv, num_layers: int, block_size: int, device):
+    def __init__(self, target, kv, num_layers: int, block_size: int, device, attention: AttentionBackend = TORCH):
         super().__init__(device)
         self.model, self.target_kv, self.num_layers, self.block_size = target, kv, num_layers, block_size
+        self.build_metadata = attention.build_metadata  # the target's backend (``cpu``: one C call a layer)
         self.cost_per_token = _cost_per_token(target, num_layers)
 
     @torch.inference_mode()
@@ -55,7 +57,7 @@ class EarlyExitDrafter(SamplingDrafter):
             rows.append([start + 1 + n for n in g.level(depth)])
             start += len(fed)
         t = lambda a: torch.tensor(a, dtype=torch.long, device=self.device)  # noqa: E731
-        meta = build_attention_metadata(specs, self.block_size, self.device)
+        meta = self.build_metadata(specs, self.block_size, self.device)
         hidden = self.model(t(ids), t(positions), meta, self.target_kv, num_layers=self.num_layers)  # [T, hidden]
         return [self.model.compute_logits(hidden[t(r)]) for r in rows]
 
@@ -67,7 +69,7 @@ class EarlyExitDrafter(SamplingDrafter):
             live = [s for s in slots if step < s.num_tokens]
             fed = [drafts[s.request.request_id][-1] if step else s.request.token_ids[-1] for s in live]
             pos = [len(s.request.token_ids) - 1 + step for s in live]
-            meta = build_attention_metadata(
+            meta = self.build_metadata(
                 [SeqSpec(p, 1, list(s.block_table)) for s, p in zip(live, pos)], self.block_size, self.device
             )
             hidden = self.model(t(fed), t(pos), meta, self.target_kv, num_layers=self.num_layers)  # [n, hidden]
@@ -86,10 +88,10 @@ def _cost_per_token(target, num_layers: int) -> float:
     return (num_layers * layer + head) / (len(target.layers) * layer + head)
 
 
-def build(spec, *, target, target_kv, block_size, device, **_) -> EarlyExitDrafter:
+def build(spec, *, target, target_kv, block_size, device, attention=TORCH, **_) -> EarlyExitDrafter:
     """Self-drafting: the target's first ``num_layers`` layers, its final norm and head."""
     total = target.config.num_hidden_layers
     layers = spec.num_layers or max(1, total // 4)
     if not 1 <= layers < total:
         raise ValueError(f"early_exit num_layers must be in [1, {total - 1}], got {layers}")
-    return EarlyExitDrafter(target, target_kv, layers, block_size, device)
+    return EarlyExitDrafter(target, target_kv, layers, block_size, device, attention)

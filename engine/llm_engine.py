@@ -202,6 +202,7 @@ class LLMEngine:
         drafter = drafter or build_drafter(
             sc, target=self.model, tokenizer=self.tokenizer, num_blocks=num_blocks,
             block_size=spec.block_size, dtype=dtype, device=device, target_kv=self.paged_kv,
+            attention=self.runner.attention,
         )
         k = sc.num_speculative_tokens
         if sc.verify_cost is not None:

@@ -90,6 +90,10 @@ class AttentionMetadata:
     c_kernels: bool = False  # built with ``listed=True``: the C kernels attend (long chains too, where they can)
     specs: list[SeqSpec] = field(default_factory=list)  # what it was built from (other tensor-parallel ranks rebuild it)
 
+    def lists_all(self, num_tokens: int) -> bool:
+        """Whether all ``num_tokens`` tokens attend through ``listed`` (a whole-layer C call can run)."""
+        return self.listed is not None and not self.solo and not self.batched and self.listed.rows.shape[0] == num_tokens
+
 
 def tree_mask(parents: tuple[int, ...]) -> np.ndarray:
     """[m, m] bool: row i sees itself and its ancestors among the new tokens.

@@ -120,7 +120,7 @@ def build(compiler: str, flags: tuple[str, ...]):
     lib.silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.rope_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.decoder_layer_f32.argtypes = (
-        [ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 16 + [ctypes.c_int]
+        [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 16 + [ctypes.c_int]
     )
     lib.prefill_attention_f32.argtypes = (
         [ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
@@ -231,10 +231,14 @@ def scratch_size(tokens: int, hidden: int, heads: int, kv_heads: int, head_dim: 
     return tokens * (2 * hidden + (2 * heads + 3 * kv_heads) * head_dim + heads * head_dim + 3 * inter)
 
 
-def decoder_layer(x: torch.Tensor, layer: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor, step: tuple) -> None:
+def decoder_layer(x: torch.Tensor, layer: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor, step: tuple,
+                  attn_in: torch.Tensor | None = None) -> None:
     """One decoder layer in place on x [T, hidden] (contiguous) for a step whose tokens
     all attend through listed slots: the same kernels, in the same order, as the model's
     own forward, in one call (csrc/cpu_kernels.c, ``decoder_layer_f32``). ``layer`` from
-    ``layer_args``, ``step`` from ``step_args``; k_cache, v_cache [blocks, block_size, KVH, D]."""
-    load().decoder_layer_f32(x.data_ptr(), x.shape[0], *layer, k_cache.data_ptr(), v_cache.data_ptr(), *step,
-                             torch.get_num_threads())
+    ``layer_args``, ``step`` from ``step_args``; k_cache, v_cache [blocks, block_size, KVH, D].
+    ``attn_in`` [T, In] (contiguous): the attention's whole input in place of the input
+    norm of x (an EAGLE head's layer; ``layer``'s qkv weight is then [.., In])."""
+    ptr, width = (None, 0) if attn_in is None else (attn_in.data_ptr(), attn_in.shape[1])
+    load().decoder_layer_f32(x.data_ptr(), ptr, width, x.shape[0], *layer, k_cache.data_ptr(), v_cache.data_ptr(),
+                             *step, torch.get_num_threads())

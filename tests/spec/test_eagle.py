@@ -12,6 +12,8 @@ from transformers import LlamaConfig
 from drafters.eagle_head import load_eagle_head
 from engine import tree
 from engine.attention import SeqSpec, build_attention_metadata
+from engine.attention.backends import CPU, TORCH
+from engine.layers import cpu_kernels
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
 from engine.models.llama import LlamaForCausalLM, head_dim_of
@@ -87,6 +89,30 @@ def fresh_logits(model, head, context: list[int], branch: list[int]) -> torch.Te
         meta = build_attention_metadata([SeqSpec(int(pos[0]), len(ids), list(range(16)))], 16)
         out = head(ids, hidden, pos, meta, hkv)[-1:]
     return head.draft_logits(out)[0]
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C kernels on this machine")
+@pytest.mark.parametrize("kind,kw", KINDS, ids=["eagle", "eagle3"])
+def test_the_one_call_layer_is_the_heads_layer(tmp_path, kind, kw):
+    """On the CPU backend's metadata the loaded head runs its layer in one C call: its
+    outputs and cache entries are those of the layer-by-layer forward, for a run of
+    pairs and then a tree over them."""
+    model = small_target()
+    head = load_eagle_head(write_random_head(model, kind, tmp_path / kind, **kw), kind, model, torch.float32, "cpu", 256)
+    gen = torch.Generator().manual_seed(0)
+    caches = {b: PagedKV(KVSpec(1, head.num_kv_heads, head.head_dim, 16, torch.float32), 4, "cpu") for b in (TORCH, CPU)}
+    parents = (-1, 0, 0, 1, 3)
+    feeds = [(SeqSpec(0, 7, [0, 1]), torch.arange(7)),
+             (SeqSpec(7, len(parents), [0, 1], parents), 7 + torch.from_numpy(tree.depths(parents)))]
+    for spec, positions in feeds:
+        ids = torch.randint(0, 16, (len(positions),), generator=gen)
+        hidden = torch.randn(len(positions), model.config.hidden_size, generator=gen)
+        with torch.inference_mode():
+            outs = {b: head(ids, hidden, positions, b.build_metadata([spec], 16), caches[b]) for b in (TORCH, CPU)}
+        assert CPU.build_metadata([spec], 16).lists_all(len(ids))
+        torch.testing.assert_close(outs[CPU], outs[TORCH], rtol=1e-4, atol=1e-4)
+    for a, b in zip(caches[CPU].layer(0), caches[TORCH].layer(0)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def fresh_drafts(model, head, context: list[int], k: int) -> list[int]:

@@ -539,15 +539,19 @@ void rope_f32(const float *x, int64_t x_stride, const float *cos, const float *s
  * own list of KV slots; in place on x [T, Hd]. It makes the kernel calls of the
  * model's layer-by-layer forward (engine/models/llama.py) in the same order, so its
  * results are the same bits, without the Python and torch dispatch between them.
- * Weights [out, in]: w_qkv [(H + 2 KVH) D, Hd], w_o [Hd, H D], w_gu [2 I, Hd] (gate rows,
+ * Weights [out, in]: w_qkv [(H + 2 KVH) D, In], w_o [Hd, H D], w_gu [2 I, Hd] (gate rows,
  * then up rows), w_down [Hd, I]; cos, sin [T, D]; the new keys (rotated) and values are
  * written at slot_mapping[t] of k_cache, v_cache [num_slots, KVH, D].
+ * attn_in: NULL for a decoder layer (the attention reads rms_norm(x) * ln1, In = Hd), or
+ * the attention's input [T, In] given whole (an EAGLE head: its normed embeddings and
+ * features side by side, In = 2 Hd, while x, the residual, is the features; ln1 unused).
  * scratch: at least T * (2 Hd + (2 H + 3 KVH) D + H D + 3 I) floats. */
-void decoder_layer_f32(float *x, int64_t T, int64_t Hd, int64_t H, int64_t KVH, int64_t D, int64_t I, float eps,
-                       float scale, const float *ln1, const float *w_qkv, const float *w_o, const float *ln2,
-                       const float *w_gu, const float *w_down, float *k_cache, float *v_cache, const float *cos,
-                       const float *sin, const int64_t *slot_mapping, const int64_t *rows, const int64_t *start,
-                       const int64_t *len, const int64_t *slots, float *scratch, int num_threads) {
+void decoder_layer_f32(float *x, const float *attn_in, int64_t In, int64_t T, int64_t Hd, int64_t H, int64_t KVH,
+                       int64_t D, int64_t I, float eps, float scale, const float *ln1, const float *w_qkv,
+                       const float *w_o, const float *ln2, const float *w_gu, const float *w_down, float *k_cache,
+                       float *v_cache, const float *cos, const float *sin, const int64_t *slot_mapping,
+                       const int64_t *rows, const int64_t *start, const int64_t *len, const int64_t *slots,
+                       float *scratch, int num_threads) {
     const int64_t QKV = (H + 2 * KVH) * D, QK = (H + KVH) * D;
     float *h = scratch;          /* [T, Hd]: a normed input */
     float *qkv = h + T * Hd;     /* [T, QKV] */
@@ -556,8 +560,11 @@ void decoder_layer_f32(float *x, int64_t T, int64_t Hd, int64_t H, int64_t KVH, 
     float *o = att + T * H * D;  /* [T, Hd]: a projection's output */
     float *gu = o + T * Hd;      /* [T, 2 I] */
     float *a = gu + T * 2 * I;   /* [T, I] */
-    rms_norm_f32(x, ln1, h, T, Hd, eps, num_threads);
-    gemv_f32(h, w_qkv, qkv, T, QKV, Hd, num_threads);
+    if (attn_in == NULL) {
+        rms_norm_f32(x, ln1, h, T, Hd, eps, num_threads);
+        attn_in = h, In = Hd;
+    }
+    gemv_f32(attn_in, w_qkv, qkv, T, QKV, In, num_threads);
     rope_f32(qkv, QKV, cos, sin, qk, T, H + KVH, D);
     for (int64_t t = 0; t < T; t++) {
         memcpy(k_cache + slot_mapping[t] * KVH * D, qk + t * QK + H * D, sizeof(float) * KVH * D);
