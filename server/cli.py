@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--model", default=None)
     for flag in ("minutes", "max-steps", "batch-size", "seq-len", "draft-vocab", "ttt-steps", "lr", "save-every"):
         train.add_argument(f"--{flag}", type=float if flag in ("minutes", "lr") else int, default=None)
+    train.add_argument("--no-bf16", dest="bf16", action="store_false", default=None,
+                       help="float32 matmuls even where the CPU has native bfloat16")
     train.set_defaults(func=_train_eagle)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_settings_flags(serve)

@@ -52,7 +52,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 AVX512 = ("-mavx512f",)  # added where the CPU has it, unless SPECSERVE_CPU_AVX512=0
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     if platform.machine() not in ("x86_64", "AMD64"):
         return ""
     try:
@@ -62,13 +62,13 @@ def _cpu_flags() -> str:
 
 
 def _cpu_supports() -> bool:
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return " avx2" in flags and " fma" in flags
 
 
 def compile_flags() -> tuple[str, ...]:
     """The compiler flags for this CPU: AVX2 + FMA, and AVX-512 where there is one."""
-    if " avx512f" in _cpu_flags() and os.environ.get("SPECSERVE_CPU_AVX512", "1") != "0":
+    if " avx512f" in cpu_flags() and os.environ.get("SPECSERVE_CPU_AVX512", "1") != "0":
         return FLAGS + AVX512
     return FLAGS
 
