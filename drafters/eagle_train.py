@@ -242,12 +242,7 @@ def train(cfg: TrainConfig) -> Path:
         batch, feats, target_p = sequences.batch(idx)  # [B, N], [B, N, F], [B, N, D]
         for group in opt.param_groups:
             group["lr"] = learning_rate(cfg, step, (time.monotonic() - start) / (cfg.minutes * 60))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast_bf16):
-            loss, accs = ttt_loss(head, feats, batch, target_p, cfg.ttt_steps)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
+        loss, accs = training_step(head, opt, feats, batch, target_p, cfg.ttt_steps, fast_bf16)
         log["steps"].append(step)
         log["loss"].append(loss.item())
         log["acc"].append(accs)
@@ -265,6 +260,18 @@ def train(cfg: TrainConfig) -> Path:
     log["elapsed_s"] = spent + time.monotonic() - start
     _save(out, head, opt, draft_ids, log)
     return out
+
+
+def training_step(head: EagleHead, opt, feats, tokens, target_p, steps: int, bf16: bool):
+    """One optimizer step on ``ttt_loss`` (its matmuls in bfloat16 if ``bf16``; gradients
+    clipped to norm 1); returns the loss and the agreements."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss, accs = ttt_loss(head, feats, tokens, target_p, steps)
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+    opt.step()
+    return loss, accs
 
 
 def has_native_bf16() -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafters.eagle_train import _load_state, _restore, _save, new_head, ttt_loss
+from drafters.eagle_train import _load_state, _restore, _save, new_head, training_step, ttt_loss
 from engine.models.llama import head_dim_of
 from kvcache.tensors import KVSpec, PagedKV
 from tests.spec.test_eagle import PROMPTS, eagle_engine, run, small_target
@@ -37,17 +37,15 @@ def batch_and_labels(target, head, seed=0):
     return batch, feats, probs / probs.sum(-1, keepdim=True)
 
 
-def test_training_lowers_the_loss_and_writes_a_head_the_engine_drafts_with(tmp_path):
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bfloat16"])
+def test_training_lowers_the_loss_and_writes_a_head_the_engine_drafts_with(tmp_path, bf16):
     target = small_target()
     head = new_head(target, torch.arange(0, 16, 2))
     batch, feats, probs = batch_and_labels(target, head)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     losses = []
     for _ in range(30):
-        loss, accs = ttt_loss(head, feats, batch, probs, steps=3)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss, accs = training_step(head, opt, feats, batch, probs, 3, bf16)
         losses.append(loss.item())
     assert len(accs) == 3 and losses[-1] < 0.7 * losses[0]
     _save(tmp_path, head, opt, head.draft_to_target, {"steps": [0], "loss": losses[:1], "acc": [accs], "elapsed_s": 0})
