@@ -77,7 +77,7 @@ class EagleHead(nn.Module):
         if cpu_kernels.load() is None or self.fc.weight.dtype != torch.float32 or self.fc.weight.device.type != "cpu":
             return
         pack = lambda *ms: torch.cat([m.weight.detach() for m in ms]).contiguous()  # noqa: E731
-        norm = self.post_attention_layernorm
+        norm = self.post_attention_layernorm  # also in the input norm's place, unused: the attention input comes whole
         self._packed = [norm.weight.detach(), pack(self.q_proj, self.k_proj, self.v_proj), self.o_proj.weight.detach(),
                         norm.weight.detach(), pack(self.gate_proj, self.up_proj), self.down_proj.weight.detach()]
         self._fused = cpu_kernels.layer_args(self.config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
