@@ -123,13 +123,12 @@ class EagleHead(nn.Module):
     def _fused_forward(self, residual, x, positions, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
         """``forward`` in one ``cpu_kernels.decoder_layer`` call: residual [T, H], x the
         attention's input [T, attn_in] -> output [T, H] (a new tensor)."""
-        cfg, listed = self.config, meta.listed
+        cfg = self.config
         out = residual.clone(memory_format=torch.contiguous_format)  # the kernel works in place
         cos, sin = (r.contiguous() for r in self.rotary(positions, x.dtype))
         scratch = torch.empty(cpu_kernels.scratch_size(len(x), cfg.hidden_size, self.num_heads, self.num_kv_heads,
                                                        self.head_dim, cfg.intermediate_size))
-        step = cpu_kernels.step_args(cos, sin, meta.slot_mapping, listed.rows, listed.start, listed.length,
-                                     listed.slots, scratch)
+        step = cpu_kernels.step_args(cos, sin, *meta.listed_args(), scratch)
         cpu_kernels.decoder_layer(out, self._fused, *kv_cache.layer(0), step, attn_in=x.contiguous())
         return out
 
@@ -138,7 +137,7 @@ class EagleHead(nn.Module):
         outside a reduced draft vocabulary get -inf: they are never drafted)."""
         if self.kind == "eagle":
             return self._target[0].compute_logits(out)
-        small = _linear(self.lm_head, self.norm(out)).float()  # [S, draft_vocab]
+        small = self._draft_vocab_logits(out)
         full = small.new_full((out.shape[0], self.config.vocab_size), float("-inf"))
         full[:, self.draft_to_target] = small
         return full
@@ -149,7 +148,11 @@ class EagleHead(nn.Module):
         vocabulary (ties aside)."""
         if self.kind == "eagle":
             return self._target[0].compute_logits(out).argmax(-1)
-        return self.draft_to_target[_linear(self.lm_head, self.norm(out)).argmax(-1)]
+        return self.draft_to_target[self._draft_vocab_logits(out).argmax(-1)]
+
+    def _draft_vocab_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """eagle3: out [S, H] -> logits over the draft vocabulary [S, draft_vocab], float32."""
+        return _linear(self.lm_head, self.norm(out)).float()
 
     def num_parameters(self) -> int:
         """Parameters read per drafted token, including the target's head it uses."""

@@ -94,6 +94,12 @@ class AttentionMetadata:
         """Whether all ``num_tokens`` tokens attend through ``listed`` (a whole-layer C call can run)."""
         return self.listed is not None and not self.solo and not self.batched and self.listed.rows.shape[0] == num_tokens
 
+    def listed_args(self) -> tuple:
+        """(slot_mapping, rows, start, length, slots): a listed step's tensors, as
+        ``cpu_kernels.step_args`` takes them after cos and sin."""
+        listed = self.listed
+        return self.slot_mapping, listed.rows, listed.start, listed.length, listed.slots
+
 
 def tree_mask(parents: tuple[int, ...]) -> np.ndarray:
     """[m, m] bool: row i sees itself and its ancestors among the new tokens.

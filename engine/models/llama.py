@@ -193,12 +193,11 @@ class LlamaForCausalLM(nn.Module):
         if (self.fused is None or not isinstance(meta, AttentionMetadata) or not meta.lists_all(t)
                 or t > self.gemv_max_rows or not cpu_kernels.usable(hidden)):
             return None
-        listed = meta.listed
         attn = self.layers[0].self_attn
         size = cpu_kernels.scratch_size(t, hidden.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                         self.layers[0].mlp.down_proj.weight.shape[1])
         cos, sin = (r.contiguous() for r in rope)
-        return cos, sin, meta.slot_mapping, listed.rows, listed.start, listed.length, listed.slots, torch.empty(size)
+        return cos, sin, *meta.listed_args(), torch.empty(size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, vocab] in float32."""
