@@ -136,13 +136,15 @@ def test_paged_attention_of_a_token_does_not_depend_on_the_others(kernel_build):
 
 
 @needs_kernel
+@pytest.mark.parametrize("c, m", [(37, 7), (150, 33)], ids=["in-registers", "key-blocks"])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 2, 128), (6, 6, 64), (4, 2, 48)])
-def test_paged_attention_of_a_draft_chain_gives_each_row_its_bits_alone(kernel_build, heads, kv_heads, head_dim):
+def test_paged_attention_of_a_draft_chain_gives_each_row_its_bits_alone(kernel_build, heads, kv_heads, head_dim, c, m):
     """The rows of a chain share their request's list and are attended together (with
-    AVX-512, up to 4 query vectors a work item): row i still gets the bits of one query
-    after c + i keys, and the softmax over exactly those keys."""
+    AVX-512, up to 4 query vectors in registers; with many rows, up to 16 a work item,
+    the keys in blocks of 64, read once for all of them): row i still gets the bits of
+    one query after c + i keys, and the softmax over exactly those keys."""
     g = torch.Generator().manual_seed(heads * head_dim)
-    c, m, num_slots = 37, 7, 64
+    num_slots = c + m + 27
     k_cache, v_cache = (torch.randn(num_slots, kv_heads, head_dim, generator=g) for _ in range(2))
     q = torch.randn(m, heads, head_dim, generator=g)
     slots = torch.randperm(num_slots, generator=g)[: c + m]

@@ -293,14 +293,18 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * A query vector is one (token, query head). The vectors that read the same KV head
  * over the same list (the H / KVH heads of a token; with AVX-512, also the consecutive
  * tokens listed with the same start: a draft chain's rows, or a tree path's nodes, with
- * lengths c + 1, c + 2, ...) are attended together, up to 4 at a time (D = 64; 2 for
- * D = 128): each key and value is read once for all of them. A chain of 16 drafts (17
- * rows) read each KV head's keys 51 times a layer, one vector at a time; now 13. A vector's
+ * lengths c + 1, c + 2, ...) are attended together: up to 4 in registers (D = 64; 2 for
+ * D = 128), each key and value read once for all of them; past that, up to 16 in a work
+ * item (attend_blocked512), the keys in blocks that every group of 4 reads from L1. A
+ * chain of 16 drafts (17 rows) read each KV head's keys 51 times a layer, one vector at
+ * a time; then 13; now 4 (fewer items would leave a core idle at batch 1). A vector's
  * arithmetic is the same whoever shares its work item (keys past its own length get
  * weight 0), in list order, so a token's result never depends on the other tokens of
  * the step. */
 #ifdef __AVX512F__
-#define MAXV 4 /* query vectors per work item */
+#define MAXV 4 /* query vectors attended in registers together (D = 64; 2 for D = 128) */
+#define MAXR 16 /* query vectors per work item, attended in groups of MAXV, keys in blocks */
+#define KB 64 /* keys per block (16 KB of keys at D = 64): in L1 for every group of a work item */
 #define PF 8 /* keys ahead to prefetch */
 
 /* RH query vectors q[r] (D floats each) of one KV head g; vector r sees the first L[r]
@@ -374,6 +378,125 @@ static inline __attribute__((always_inline)) void attend512(const float *const *
     }
 }
 
+/* Scores of RH query vectors (a group of a work item) against keys j0 .. j1 - 1: the same
+ * arithmetic per vector as attend512's first pass; mx[r] the running max over its own keys. */
+static inline __attribute__((always_inline)) void score_group(const float *const *q, const int64_t *L, int64_t j0,
+                                                               int64_t j1, int64_t Lmax, const float *k_cache,
+                                                               const int64_t *sl, int64_t KVH, int64_t g, float scale,
+                                                               float *scores, int64_t ss, float *mx, int prefetch,
+                                                               const int DV, const int RH) {
+    __m512 qv[MAXV][8];
+    for (int r = 0; r < RH; r++)
+        for (int d = 0; d < DV; d++) qv[r][d] = _mm512_mul_ps(_mm512_loadu_ps(q[r] + 16 * d), _mm512_set1_ps(scale));
+    for (int64_t j = j0; j < j1; j++) {
+        const float *kj = k_cache + (sl[j] * KVH + g) * 16 * DV;
+        if (prefetch && j + PF < Lmax) {
+            const char *next = (const char *)(k_cache + (sl[j + PF] * KVH + g) * 16 * DV);
+            for (int d = 0; d < DV; d++) _mm_prefetch(next + 64 * d, _MM_HINT_T0);
+        }
+        __m512 kv[8];
+        for (int d = 0; d < DV; d++) kv[d] = _mm512_loadu_ps(kj + 16 * d);
+        for (int r = 0; r < RH; r++) {
+            __m512 s = _mm512_mul_ps(qv[r][0], kv[0]);
+            for (int d = 1; d < DV; d++) s = _mm512_fmadd_ps(qv[r][d], kv[d], s);
+            const float x = _mm512_reduce_add_ps(s);
+            scores[r * ss + j] = x;
+            mx[r] = j < L[r] && x > mx[r] ? x : mx[r];
+        }
+    }
+}
+
+/* The weighted values of keys j0 .. j1 - 1 added to the accumulators acc (RH rows of D
+ * floats, zero before the first block): attend512's second pass, block by block. */
+static inline __attribute__((always_inline)) void value_group(int64_t j0, int64_t j1, int64_t Lmax,
+                                                               const float *v_cache, const int64_t *sl, int64_t KVH,
+                                                               int64_t g, const float *scores, int64_t ss, float *acc,
+                                                               int prefetch, const int DV, const int RH) {
+    __m512 a[MAXV][8];
+    for (int r = 0; r < RH; r++)
+        for (int d = 0; d < DV; d++) a[r][d] = j0 ? _mm512_loadu_ps(acc + r * 16 * DV + 16 * d) : _mm512_setzero_ps();
+    for (int64_t j = j0; j < j1; j++) {
+        const float *vj = v_cache + (sl[j] * KVH + g) * 16 * DV;
+        if (prefetch && j + PF < Lmax) {
+            const char *next = (const char *)(v_cache + (sl[j + PF] * KVH + g) * 16 * DV);
+            for (int d = 0; d < DV; d++) _mm_prefetch(next + 64 * d, _MM_HINT_T0);
+        }
+        __m512 vv[8];
+        for (int d = 0; d < DV; d++) vv[d] = _mm512_loadu_ps(vj + 16 * d);
+        for (int r = 0; r < RH; r++) {
+            const __m512 w = _mm512_set1_ps(scores[r * ss + j]);
+            for (int d = 0; d < DV; d++) a[r][d] = _mm512_fmadd_ps(w, vv[d], a[r][d]);
+        }
+    }
+    for (int r = 0; r < RH; r++)
+        for (int d = 0; d < DV; d++) _mm512_storeu_ps(acc + r * 16 * DV + 16 * d, a[r][d]);
+}
+
+/* One group of a blocked work item: score_group / value_group with RH = rn (<= GR). */
+#define GROUP_CASES(CALL, DV)        \
+    switch (rn) {                    \
+    case 1: CALL(DV, 1); break;      \
+    case 2: CALL(DV, 2); break;      \
+    case 3: CALL(DV, 3); break;      \
+    default: CALL(DV, 4); break;     \
+    }
+
+/* nv (> MAXV, at most MAXR) query vectors of KV head g over one list, the keys in blocks
+ * of KB: each block of keys, then of values, is read from memory once and from L1 by
+ * every group of GR vectors (4 for D = 64, 2 for D = 128). Per vector the arithmetic,
+ * and its order, are attend512's: the same bits whichever vectors share the item. At 64
+ * requests of 500 tokens a step's attention read each request's keys once per 4 vectors
+ * from memory: a request's draft doubled its attention time. acc: MAXR * D floats. */
+static void attend_blocked512(const float *const *q, const int64_t *L, int64_t Lmax, int nv, const float *k_cache,
+                              const float *v_cache, const int64_t *sl, int64_t KVH, int64_t g, float scale,
+                              float *scores, int64_t ss, float *acc, float *const *o, int64_t D) {
+    const int GR = D == 64 ? 4 : 2, DVN = (int)(D / 16);
+    float mx[MAXR], total[MAXR];
+    for (int r = 0; r < nv; r++) mx[r] = -INFINITY;
+    for (int64_t j0 = 0; j0 < Lmax; j0 += KB) {
+        const int64_t j1 = j0 + KB < Lmax ? j0 + KB : Lmax;
+        for (int r0 = 0; r0 < nv; r0 += GR) {
+            const int rn = nv - r0 < GR ? nv - r0 : GR;
+#define SCORE(DV, RH) score_group(q + r0, L + r0, j0, j1, Lmax, k_cache, sl, KVH, g, scale, scores + r0 * ss, ss, \
+                                  mx + r0, r0 == 0, DV, RH)
+            if (DVN == 4) { GROUP_CASES(SCORE, 4) } else { GROUP_CASES(SCORE, 8) }
+#undef SCORE
+        }
+    }
+    for (int r = 0; r < nv; r++) {
+        float *sr = scores + r * ss;
+        const __m512 m = _mm512_set1_ps(mx[r]);
+        __m512 t = _mm512_setzero_ps();
+        int64_t j = 0;
+        for (; j + 16 <= L[r]; j += 16) {
+            __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), m));
+            _mm512_storeu_ps(sr + j, e);
+            t = _mm512_add_ps(t, e);
+        }
+        if (j < L[r]) {
+            const __mmask16 tail = (__mmask16)((1u << (L[r] - j)) - 1);
+            __m512 e = _mm512_maskz_mov_ps(tail, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sr + j), m)));
+            _mm512_mask_storeu_ps(sr + j, tail, e);
+            t = _mm512_add_ps(t, e);
+        }
+        total[r] = _mm512_reduce_add_ps(t);
+        for (j = L[r]; j < Lmax; j++) sr[j] = 0.0f; /* keys past its own length: weight 0 */
+    }
+    for (int64_t j0 = 0; j0 < Lmax; j0 += KB) {
+        const int64_t j1 = j0 + KB < Lmax ? j0 + KB : Lmax;
+        for (int r0 = 0; r0 < nv; r0 += GR) {
+            const int rn = nv - r0 < GR ? nv - r0 : GR;
+#define VALUE(DV, RH) value_group(j0, j1, Lmax, v_cache, sl, KVH, g, scores + r0 * ss, ss, acc + r0 * D, r0 == 0, DV, RH)
+            if (DVN == 4) { GROUP_CASES(VALUE, 4) } else { GROUP_CASES(VALUE, 8) }
+#undef VALUE
+        }
+    }
+    for (int r = 0; r < nv; r++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / total[r]);
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o[r] + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), inv));
+    }
+}
+
 /* attend512 for nv vectors (at most 4 for D = 64, 2 for D = 128). */
 static void attend512_vectors(const float *const *q, const int64_t *L, int64_t Lmax, int nv, const float *k_cache,
                               const float *v_cache, const int64_t *sl, int64_t KVH, int64_t g, float scale,
@@ -421,9 +544,16 @@ void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
     int grouped = 0;
     int64_t per_item = rep; /* the portable path: one token's query heads of a KV head */
 #ifdef __AVX512F__
+    const int in_regs = D == 64 ? MAXV : 2; /* vectors attend512 holds in registers */
     if (D == 64 || D == 128) {
         grouped = 1;
-        per_item = D == 64 ? MAXV : 2;
+        /* Blocked items of up to MAXR vectors read the keys once for all of them, but are
+         * fewer: keep at least four items a thread (a request's 17-row chain, 51 vectors a
+         * KV head, gives 12 items of 16 at batch 1; one row, 3 vectors, one item as before). */
+        const int64_t vectors = n * rep * KVH;
+        per_item = MAXR;
+        while (per_item > in_regs && vectors / per_item < 4 * num_threads) per_item /= 2;
+        per_item = per_item < in_regs ? in_regs : per_item;
     }
 #endif
     AttnItem *items = malloc(sizeof(AttnItem) * n * H);
@@ -431,7 +561,7 @@ void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
     const int64_t rows_per_item = per_item > rep ? per_item : rep, ss = max_len + 16;
     #pragma omp parallel num_threads(count > 1 ? num_threads : 1)
     {
-        float *scores = malloc(sizeof(float) * (rows_per_item * ss + rep * D));
+        float *scores = malloc(sizeof(float) * (rows_per_item * ss + rows_per_item * D));
         float *acc = scores + rows_per_item * ss;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < count; it++) {
@@ -440,9 +570,9 @@ void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
             const int64_t *sl = slots + start[w.first];
 #ifdef __AVX512F__
             if (grouped) {
-                const float *qp[MAXV];
-                float *op[MAXV];
-                int64_t L[MAXV], Lmax = 0;
+                const float *qp[MAXR];
+                float *op[MAXR];
+                int64_t L[MAXR], Lmax = 0;
                 for (int64_t v = 0; v < w.nv; v++) {
                     const int64_t i = w.first + (w.v0 + v) / rep, h = g * rep + (w.v0 + v) % rep;
                     qp[v] = q + rows[i] * q_stride + h * D;
@@ -450,7 +580,12 @@ void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
                     L[v] = len[i];
                     Lmax = L[v] > Lmax ? L[v] : Lmax;
                 }
-                attend512_vectors(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, op, D);
+                if (w.nv > in_regs)
+                    attend_blocked512(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, acc,
+                                      op, D);
+                else
+                    attend512_vectors(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, op,
+                                      D);
                 continue;
             }
 #endif
