@@ -108,26 +108,35 @@ class CostTracker:
 def measure_step_costs(model, runner, max_rows: int, block_size: int, max_len: int, repeats: int = 6) -> StepCosts:
     """``T(R)`` for ``R`` = 1, 2, 3, 5, 9, 17, 33, ... up to ``max_rows`` tokens in one pass.
 
-    Times passes of one request over ``R`` new tokens after 256 tokens of
-    context, with logits for every row as verification needs, in the (still
-    empty) KV cache. Call before serving.
+    A pass of ``R`` tokens is timed as a decode step of ``R`` requests, one new token
+    each after 256 tokens of context of its own (fewer, or contexts shared, where the
+    cache cannot hold that many), with logits for every row as verification needs, in
+    the (still unused) KV cache. A draft then costs what one more request costs: a
+    little more than it does (a request's drafts share its keys), where one request of
+    ``R`` new tokens, as this used to time, costs far less than ``R`` requests once
+    their keys no longer fit the caches. At 64 requests that table priced a draft at
+    0.42 of a decode token, the steps' own times at about 0.65 (offline, a `/tmp`
+    trace), and prompt lookup kept drafting there: 0.94x of plain offline and 0.91x in
+    p50 inter-token latency through the server (``bench.load_sweep``). Call before serving.
     """
     device = runner.device
     max_rows = max(2, min(max_rows, max_len - 1))
-    context = max(1, min(256, max_len - max_rows))
-    blocks = list(range(-(-(context + max_rows) // block_size)))
-    ids = torch.randint(0, model.config.vocab_size, (context + max_rows,), device=device)
+    context = max(1, min(256, max_len - 1, runner.kv.num_blocks * block_size - 1))
+    per_request = -(-(context + 1) // block_size)  # blocks of one request's context and new token
+    distinct = max(1, min(max_rows, runner.kv.num_blocks // per_request))
+    tables = [list(range(g * per_request, (g + 1) * per_request)) for g in range(distinct)]
+    ids = torch.randint(0, model.config.vocab_size, (max_rows,), device=device)
 
     def run(n: int) -> float:
-        meta = runner.attention.build_metadata([SeqSpec(context, n, blocks)], block_size, device)
-        pos = torch.arange(context, context + n, device=device)
+        specs = [SeqSpec(context, 1, tables[i % distinct]) for i in range(n)]
+        meta = runner.attention.build_metadata(specs, block_size, device)
+        pos = torch.full((n,), context, dtype=torch.long, device=device)
         t = time.perf_counter()
-        model.compute_logits(model(ids[context : context + n], pos, meta, runner.kv)).argmax(-1)
+        model.compute_logits(model(ids[:n], pos, meta, runner.kv)).argmax(-1)
         return time.perf_counter() - t
 
-    meta = runner.attention.build_metadata([SeqSpec(0, context, blocks)], block_size, device)
-    model(ids[:context], torch.arange(context, device=device), meta, runner.kv)
     rows = sorted({r for r in (1, 2, 3, 5, 9, 17, 33, 65, 129, 257) if r < max_rows} | {max_rows})
+    run(1)  # warm-up
     # Interleaved, and the minimum of each: robust to other work on a shared machine.
     times = [[run(r) for r in rows] for _ in range(repeats)]
     best = [min(t[i] for t in times) for i in range(len(rows))]
