@@ -35,7 +35,7 @@ BINARY = tree.product_tree([2] * 8, 16)  # 16 nodes, 8 leaves
 CASES = [  # (requests, context, new tokens per request: a chain's length or a tree)
     (1, 256, 1), (1, 1800, 1), (1, 1800, 3), (1, 1800, 9), (1, 1800, 17), (1, 600, 17),
     (1, 600, TWO_BRANCHES), (1, 600, BINARY), (1, 1800, TWO_BRANCHES),
-    (16, 300, 1), (16, 1000, 1), (16, 300, 4),
+    (16, 300, 1), (16, 1000, 1), (16, 300, 4), (64, 500, 1), (64, 500, 3),
 ]
 
 

@@ -1,19 +1,21 @@
 """Speculation under load: plain decoding against each drafter, concurrency 1 to 64.
 
     .venv/bin/python -m bench.load_sweep [--methods ngram] [--concurrency 1,2,4,8,16,32,64] [--rounds 3]
-        [--requests-per-worker 3]
+        [--requests-per-worker 3] [--max-tokens 128] [--fixed-length]
 
 Every server (plain, and one per speculation method) is up at once. For each
 concurrency ``c``, a wave of ``c * --requests-per-worker`` streamed chat requests
-(greedy, ``ignore_eos``, ``--max-tokens`` each, MT-Bench-style prompts, the same
-ones for every server) is sent by ``c`` workers, each sending its next request as
+(greedy, ``ignore_eos``, MT-Bench-style prompts, each with its own output length
+around ``--max-tokens`` (``output_lengths``); the same requests for every server)
+is sent by ``c`` workers, each sending the next request of one shared queue as
 soon as its last one ended (vLLM's ``--max-concurrency``: the batch stays full
 until the wave's tail, as under steady load), to each server in turn (the
 order rotated each round), ``--rounds`` times, so that the machine's
 drifting speed hits every server alike; measured from the client:
 total output tokens/s (median over rounds), and per request the inter-token
 latency (gap between output events over the tokens they carried, p50 over
-every round) and the time per output token. The target: with speculation on,
+every round) and the time per output token; from each server's ``/metrics``, the
+draft tokens per 100 output tokens and the share accepted. The target: with speculation on,
 throughput and p50 latency never worse than off beyond noise (0.97x) at any
 concurrency. Writes bench/results/load_sweep.md and load_sweep.png.
 """
@@ -21,6 +23,7 @@ concurrency. Writes bench/results/load_sweep.md and load_sweep.png.
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import tempfile
 import time
@@ -28,7 +31,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from bench.common import RESULTS, markdown_table, rotated, round_robin_chat, write_report
-from bench.server_procs import serve
+from bench.server_procs import metric, scrape, serve
 from bench.sse_client import chat_body, stream_chat
 
 METHODS = {
@@ -49,57 +52,91 @@ async def one(url: str, prompt: str, max_tokens: int) -> dict:
     return {"tokens": tokens, "itl": [g * events / max(1, tokens - 1) for g in gaps], "tpot": tpot}
 
 
-async def wave(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
-    """``prompts`` through ``concurrency`` workers, each sending its next request as soon as
-    its last one ended (vLLM's ``--max-concurrency``): total tokens/s, every per-token gap,
-    each request's TPOT."""
-    results = []
+async def wave(url: str, requests: list[tuple[str, int]], concurrency: int) -> dict:
+    """``requests`` (prompt, max tokens) through ``concurrency`` workers, each taking the next prompt of one shared
+    queue, in order, as soon as its last request ended (vLLM's ``--max-concurrency``, a
+    semaphore over requests sent in order): total tokens/s, every per-token gap, each
+    request's TPOT. (Workers with prompts dealt out in advance, ``prompts[i::c]``, made the
+    wall time that of the worker whose prompts sped up least: round-robin categories gave
+    one worker every copy-heavy prompt and another none.)"""
+    results, queue = [], list(reversed(requests))
 
-    async def worker(i: int) -> None:
-        for p in prompts[i::concurrency]:
-            results.append(await one(url, p, max_tokens))
+    async def worker() -> None:
+        while queue:
+            results.append(await one(url, *queue.pop()))
 
     t = time.perf_counter()
-    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - t
-    return {"tok_s": sum(r["tokens"] for r in results) / wall,
+    return {"tok_s": sum(r["tokens"] for r in results) / wall, "tokens": sum(r["tokens"] for r in results),
             "itl": [g for r in results for g in r["itl"]], "tpot": [r["tpot"] for r in results]}
 
 
+def drafts_so_far(url: str) -> tuple[float, float]:
+    """(draft tokens, accepted tokens) the server has verified since it started (/metrics)."""
+    s = scrape(url)
+    return (metric(s, "specserve_spec_decode_num_draft_tokens_total"),
+            metric(s, "specserve_spec_decode_num_accepted_tokens_total"))
+
+
 def summarize(waves: list[dict]) -> dict:
-    """The rounds of one server at one concurrency: median throughput, p50 over all gaps."""
+    """The rounds of one server at one concurrency: median throughput, p50 over all gaps,
+    draft tokens per 100 output tokens and the share of them accepted."""
     itl = [g for w in waves for g in w["itl"]]
+    drafted, accepted = sum(w["drafted"] for w in waves), sum(w["accepted"] for w in waves)
     return {
         "tok_s": statistics.median(w["tok_s"] for w in waves),
         "itl_p50_ms": 1000 * statistics.median(itl) if itl else 0.0,
         "tpot_p50_ms": 1000 * statistics.median(t for w in waves for t in w["tpot"]),
+        "drafts_per_100": 100 * drafted / max(1, sum(w["tokens"] for w in waves)),
+        "accepted_pct": 100 * accepted / drafted if drafted else 0.0,
     }
 
 
-def sweep(urls: dict[str, str], levels: list[int], prompts: list[str], max_tokens: int, rounds: int,
+def sweep(urls: dict[str, str], levels: list[int], requests: list[tuple[str, int]], rounds: int,
           per_worker: int) -> dict:
     """Each concurrency, each round: one wave to each server in turn, the order rotated
     each round (``bench.common.rotated``)."""
     for url in urls.values():
-        asyncio.run(wave(url, prompts[:2], 2, 8))  # warm-up
+        asyncio.run(wave(url, [(p, 8) for p, _ in requests[:2]], 2))  # warm-up
     out = {name: {} for name in urls}
     for c in levels:
         waves = {name: [] for name in urls}
         for r in range(rounds):
             for name, url in rotated(list(urls.items()), r):  # each server takes each place in turn
-                waves[name].append(asyncio.run(wave(url, prompts[: c * per_worker], c, max_tokens)))
+                before = drafts_so_far(url)
+                w = asyncio.run(wave(url, requests[: c * per_worker], c))
+                after = drafts_so_far(url)
+                waves[name].append({**w, "drafted": after[0] - before[0], "accepted": after[1] - before[1]})
         for name in urls:
             r = out[name][c] = summarize(waves[name])
             print(f"[{name}] c={c}: {r['tok_s']:.1f} tok/s, ITL p50 {r['itl_p50_ms']:.0f} ms, "
-                  f"TPOT p50 {r['tpot_p50_ms']:.0f} ms", flush=True)
+                  f"TPOT p50 {r['tpot_p50_ms']:.0f} ms, {r['drafts_per_100']:.1f} drafts per 100 tokens, "
+                  f"{r['accepted_pct']:.0f}% accepted", flush=True)
     return out
 
 
-def report(results: dict, levels: list[int], command: str, max_tokens: int, per_worker: int) -> None:
+def output_lengths(n: int, mean: int, fixed: bool) -> list[int]:
+    """Each request's ``max_tokens``: uniform over ``mean / 2 .. 3 mean / 2`` from a seeded
+    generator (the same for every server), or ``mean`` for all when ``fixed``.
+
+    Real traffic asks for outputs of many lengths (vLLM's serving benchmark takes each
+    request's from its dataset). Lengths all equal make plain decoding's requests of a
+    wave finish in lock-step, with no tail at low batch, while speculation's, some
+    faster than others, do not: at 16 concurrent the wave then measured that spread,
+    not the steady state (0.96x of plain, offline 0.98x, with more tokens per step)."""
+    if fixed:
+        return [mean] * n
+    rng = random.Random(0)
+    return [rng.randint(mean // 2, mean + mean // 2) for _ in range(n)]
+
+
+def report(results: dict, levels: list[int], command: str, max_tokens: int, per_worker: int, fixed: bool) -> None:
     header = ["concurrency", "plain tok/s", "plain ITL p50 ms"]
     methods = [m for m in results if m != "plain"]
     for m in methods:
-        header += [f"{m} tok/s", f"{m} / plain", f"{m} ITL p50 ms", f"{m} ITL plain / {m}"]
+        header += [f"{m} tok/s", f"{m} / plain", f"{m} ITL p50 ms", f"{m} ITL plain / {m}",
+                   f"{m} drafts / 100 tokens", f"{m} accepted %"]
     rows, worst = [], {}
     for c in levels:
         p = results["plain"][c]
@@ -108,17 +145,20 @@ def report(results: dict, levels: list[int], command: str, max_tokens: int, per_
             r = results[m][c]
             ratio, itl_ratio = r["tok_s"] / p["tok_s"], p["itl_p50_ms"] / max(r["itl_p50_ms"], 1e-9)
             worst[m] = min(worst.get(m, 9.0), ratio, itl_ratio)
-            row += [r["tok_s"], ratio, r["itl_p50_ms"], itl_ratio]
+            row += [r["tok_s"], ratio, r["itl_p50_ms"], itl_ratio, r["drafts_per_100"], r["accepted_pct"]]
         rows.append(row)
     body = markdown_table(header, rows)
     for m in methods:
         verdict = "PASS" if worst[m] >= FLOOR else "FAIL"
         body += f"\n\n{m}: worst ratio to plain (throughput or p50 ITL) {worst[m]:.2f} -> **{verdict}** (floor {FLOOR})"
-    body += (f"\n\nEach concurrency c: a wave of {per_worker} c streamed chat requests, greedy, {max_tokens} "
-             "tokens with ignore_eos, sent by c workers that each send their next request as soon as their "
-             "last one ended (vLLM's --max-concurrency), to every server in turn (all up at once; the order rotated each round), in rounds; "
+    lengths = f"{max_tokens}" if fixed else f"{max_tokens // 2}-{max_tokens + max_tokens // 2} (seeded, the same for every server)"
+    body += (f"\n\nEach concurrency c: a wave of {per_worker} c streamed chat requests, greedy, {lengths} "
+             "tokens each with ignore_eos, sent by c workers that each send the next request of one shared queue as "
+             "soon as their last one ended (vLLM's --max-concurrency), to every server in turn (all up at once; the order rotated each round), in rounds; "
              "throughput is the median over rounds. ITL: the gap between output events divided by the tokens "
              "they carried, p50 over all gaps of the wave. Ratios above 1 mean speculation on is better. "
+             "Drafts and acceptance: the server's /metrics over all rounds at that concurrency (no drafts: the "
+             "server ran plain decoding's code plus planning, and its ratio to plain is this machine's noise). "
              "Client: bench.sse_client.\n\n![sweep](load_sweep.png)")
     write_report("load_sweep", "Speculation under load: concurrency sweep against plain decoding", body, command)
     plot(results, levels)
@@ -147,7 +187,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default="ngram", help=f"comma-separated, of {', '.join(METHODS)}")
     ap.add_argument("--concurrency", default="1,2,4,8,16,32,64")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128, help="mean output length of a request")
+    ap.add_argument("--fixed-length", action="store_true", help="every request exactly --max-tokens")
     ap.add_argument("--rounds", type=int, default=3, help="waves per server and concurrency, interleaved")
     ap.add_argument("--requests-per-worker", type=int, default=3,
                     help="requests each of the c workers sends back to back in a wave")
@@ -156,16 +197,18 @@ def main() -> None:
     n = max(levels) * args.requests_per_worker
     pool = round_robin_chat(n)  # 80 MT-Bench-style prompts: a wave of more repeats them
     prompts = (pool * -(-n // len(pool)))[:n]
+    requests = list(zip(prompts, output_lengths(n, args.max_tokens, args.fixed_length)))
     methods = [m for m in args.methods.split(",") if m]
     configs = {"plain": [], **{m: ["--speculative-config", json.dumps(METHODS[m])] for m in methods}}
     with ExitStack() as stack:
         urls = {name: stack.enter_context(serve(["--max-model-len", "2048", *extra], _log(name)))
                 for name, extra in configs.items()}
-        results = sweep(urls, levels, prompts, args.max_tokens, args.rounds, args.requests_per_worker)
+        results = sweep(urls, levels, requests, args.rounds, args.requests_per_worker)
     command = (f"python -m bench.load_sweep --methods {args.methods} --concurrency {args.concurrency} "
                f"--rounds {args.rounds} --requests-per-worker {args.requests_per_worker}")
-    report(results, levels, command + (f" --max-tokens {args.max_tokens}" if args.max_tokens != 128 else ""),
-           args.max_tokens, args.requests_per_worker)
+    command += f" --max-tokens {args.max_tokens}" if args.max_tokens != 128 else ""
+    command += " --fixed-length" if args.fixed_length else ""
+    report(results, levels, command, args.max_tokens, args.requests_per_worker, args.fixed_length)
 
 
 def _log(name: str) -> str:
