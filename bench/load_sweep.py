@@ -53,12 +53,13 @@ async def one(url: str, prompt: str, max_tokens: int) -> dict:
 
 
 async def wave(url: str, requests: list[tuple[str, int]], concurrency: int) -> dict:
-    """``requests`` (prompt, max tokens) through ``concurrency`` workers, each taking the next prompt of one shared
-    queue, in order, as soon as its last request ended (vLLM's ``--max-concurrency``, a
-    semaphore over requests sent in order): total tokens/s, every per-token gap, each
-    request's TPOT. (Workers with prompts dealt out in advance, ``prompts[i::c]``, made the
-    wall time that of the worker whose prompts sped up least: round-robin categories gave
-    one worker every copy-heavy prompt and another none.)"""
+    """``requests`` (prompt, max tokens) through ``concurrency`` workers, each taking the
+    next request of one shared queue, in order, as soon as its last one ended (vLLM's
+    ``--max-concurrency``, a semaphore over requests sent in order): total tokens/s,
+    every per-token gap, each request's TPOT. (Workers with prompts dealt out in
+    advance, ``prompts[i::c]``, made the wall time that of the worker whose prompts sped
+    up least: with the categories in turn, at 8 workers one got every extraction prompt
+    and another every writing one.)"""
     results, queue = [], list(reversed(requests))
 
     async def worker() -> None:
