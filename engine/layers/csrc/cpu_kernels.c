@@ -307,6 +307,27 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 #define KB 64 /* keys per block (16 KB of keys at D = 64): in L1 for every group of a work item */
 #define PF 8 /* keys ahead to prefetch */
 
+/* One query vector's scores sr [Lmax] -> exp(score - mx) over its own L keys, 0 past
+ * them; returns their sum (the softmax's denominator, applied once at the end). */
+static inline float softmax_row(float *sr, int64_t L, int64_t Lmax, float mx) {
+    const __m512 m = _mm512_set1_ps(mx);
+    __m512 t = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= L; j += 16) {
+        __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), m));
+        _mm512_storeu_ps(sr + j, e);
+        t = _mm512_add_ps(t, e);
+    }
+    if (j < L) {
+        const __mmask16 tail = (__mmask16)((1u << (L - j)) - 1);
+        __m512 e = _mm512_maskz_mov_ps(tail, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sr + j), m)));
+        _mm512_mask_storeu_ps(sr + j, tail, e);
+        t = _mm512_add_ps(t, e);
+    }
+    for (j = L; j < Lmax; j++) sr[j] = 0.0f; /* keys past its own length: weight 0 */
+    return _mm512_reduce_add_ps(t);
+}
+
 /* RH query vectors q[r] (D floats each) of one KV head g; vector r sees the first L[r]
  * keys at slots sl, Lmax the longest: out o[r]. D = 16 * DV; RH and DV are constants in
  * each instantiation, so the queries and the output accumulators live in registers.
@@ -340,23 +361,7 @@ static inline __attribute__((always_inline)) void attend512(const float *const *
         }
     }
     for (int r = 0; r < RH; r++) {
-        float *sr = scores + r * ss;
-        const __m512 m = _mm512_set1_ps(mx[r]);
-        __m512 t = _mm512_setzero_ps();
-        int64_t j = 0;
-        for (; j + 16 <= L[r]; j += 16) {
-            __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), m));
-            _mm512_storeu_ps(sr + j, e);
-            t = _mm512_add_ps(t, e);
-        }
-        if (j < L[r]) {
-            const __mmask16 tail = (__mmask16)((1u << (L[r] - j)) - 1);
-            __m512 e = _mm512_maskz_mov_ps(tail, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sr + j), m)));
-            _mm512_mask_storeu_ps(sr + j, tail, e);
-            t = _mm512_add_ps(t, e);
-        }
-        total[r] = _mm512_reduce_add_ps(t);
-        for (j = L[r]; j < Lmax; j++) sr[j] = 0.0f; /* keys past its own length: weight 0 */
+        total[r] = softmax_row(scores + r * ss, L[r], Lmax, mx[r]);
         for (int d = 0; d < DV; d++) acc[r][d] = _mm512_setzero_ps();
     }
     for (int64_t j = 0; j < Lmax; j++) {
@@ -464,23 +469,7 @@ static void attend_blocked512(const float *const *q, const int64_t *L, int64_t L
         }
     }
     for (int r = 0; r < nv; r++) {
-        float *sr = scores + r * ss;
-        const __m512 m = _mm512_set1_ps(mx[r]);
-        __m512 t = _mm512_setzero_ps();
-        int64_t j = 0;
-        for (; j + 16 <= L[r]; j += 16) {
-            __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), m));
-            _mm512_storeu_ps(sr + j, e);
-            t = _mm512_add_ps(t, e);
-        }
-        if (j < L[r]) {
-            const __mmask16 tail = (__mmask16)((1u << (L[r] - j)) - 1);
-            __m512 e = _mm512_maskz_mov_ps(tail, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sr + j), m)));
-            _mm512_mask_storeu_ps(sr + j, tail, e);
-            t = _mm512_add_ps(t, e);
-        }
-        total[r] = _mm512_reduce_add_ps(t);
-        for (j = L[r]; j < Lmax; j++) sr[j] = 0.0f; /* keys past its own length: weight 0 */
+        total[r] = softmax_row(scores + r * ss, L[r], Lmax, mx[r]);
     }
     for (int64_t j0 = 0; j0 < Lmax; j0 += KB) {
         const int64_t j1 = j0 + KB < Lmax ? j0 + KB : Lmax;
