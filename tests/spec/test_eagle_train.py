@@ -53,6 +53,29 @@ def test_training_lowers_the_loss_and_writes_a_head_the_engine_drafts_with(tmp_p
     assert run(eagle_engine(target, "eagle3", tmp_path), PROMPTS) == run(eagle_engine(target), PROMPTS)
 
 
+def test_a_new_heads_layer_starts_as_the_targets_last_layer_reading_its_hidden_input():
+    """With the embedding's half of q, k and v at zero, the head's layer over hidden inputs x
+    computes what the target's last layer computes over x (causal attention over x)."""
+    from engine.attention import SeqSpec, build_attention_metadata
+    from drafters.eagle_train import ttt_attention
+
+    target = small_target()
+    head = new_head(target, torch.arange(0, 16, 2))
+    H, n = target.config.hidden_size, 10
+    x = torch.randn(n, H, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for proj in (head.q_proj, head.k_proj, head.v_proj):
+            proj.weight[:, :H] = 0
+        residual, inp = head.layer_inputs(torch.arange(n) % 16, x)
+        q, k, v = head.qkv(inp, torch.arange(n))
+        out = head.finish(residual, ttt_attention(q[None], [k[None]], [v[None]])[0])
+        cfg = target.config
+        kv = PagedKV(KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), 16, torch.float32), 1, "cpu")
+        meta = build_attention_metadata([SeqSpec(0, n, [0])], 16)
+        want = target.layers[-1](target.rotary(torch.arange(n), x.dtype), x, meta, kv)
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+
+
 def test_the_saved_state_resumes_exactly(tmp_path):
     target = small_target()
     head = new_head(target, torch.arange(0, 16, 2))
@@ -142,6 +165,28 @@ def test_distillation_captures_what_a_fresh_pass_over_each_finished_chat_compute
         top = probs[0].topk(data.top_ids.shape[1])
         assert (data.top_ids[pos] == top.indices).all()
         torch.testing.assert_close(data.top_p[pos].float(), top.values, atol=1e-3, rtol=1e-3)  # float16
+
+
+def test_bfloat16_distillation_stays_near_float32_and_gives_the_target_back():
+    """The matmuls in bfloat16: features and labels within bfloat16's rounding of float32's
+    on the same chats, and afterwards the target computes exactly what it did before."""
+    from drafters.eagle_data import distill
+
+    target = small_target()
+    target.prepack()  # as loaded: oneDNN's packed weights (and whole-layer calls where they pay)
+    prompts, data = distilled_chats(target)
+    before, fused = fresh_pass(target, data.tokens[None, :15], (1, 3, 4)), target.fused
+    low = distill(target, prompts, 12, (1, 3, 4), set(), batch=2, bf16=True)
+    assert low.starts.tolist() == data.starts.tolist() and not torch.equal(low.feats, data.feats)  # bfloat16 ran
+    assert (low.tokens == data.tokens).float().mean() > 0.8  # greedy answers: a near-tie may go the other way
+    for c in range(len(prompts)):
+        pos = low.positions([c])
+        feats, probs = fresh_pass(target, low.tokens[pos][None], (1, 3, 4))  # its float32 pass
+        assert ((low.feats[pos].float() - feats[0]).abs() / feats[0].abs().amax(0)).amax() < 0.05
+        assert (low.top_p[pos, 0].float() - probs[0].max(-1).values).abs().max() < 0.05
+    after = fresh_pass(target, data.tokens[None, :15], (1, 3, 4))
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1]) and target.fused is fused
+    assert not any("matmul" in vars(m) for m in target.modules())
 
 
 def test_a_chat_ends_with_its_eos_and_the_eos_has_features():
