@@ -13,28 +13,15 @@ pass, until EOS or ``max_tokens``, many chats to a pass. Per token: the features
 probabilities over the whole vocabulary (``train`` restricts them to the draft
 vocabulary and renormalizes). A chat's features are those of its own context,
 as when drafting. Kept in ``train/distilled.safetensors`` for resumed runs.
-
-With ``bf16`` the target's matmuls run in bfloat16 (``bfloat16_matmuls``; float32
-in and out, attention and norms float32), where the CPU multiplies bfloat16
-natively: the matmuls are most of a distillation pass, and 256 prompts answered
-in 96 tokens ran at 619-638 tokens/s against 381-462 in float32 on the bench
-machine. The features and labels then differ from a float32 pass by bfloat16's
-rounding. A head trained on float32 features agreed with the target about as
-well on MT-Bench answers distilled in bfloat16 as on those in float32 (first
-draft, stem / humanities / coding: 0.42 / 0.43 / 0.31 against 0.37 / 0.45 / 0.33).
 """
 
-from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention import SeqSpec
 from engine.attention.backends import select_backend
-from engine.layers.linear import PackedLinear
 from engine.models.llama import head_dim_of
 from kvcache.tensors import KVSpec, PagedKV
 
@@ -71,39 +58,13 @@ class Distilled:
         return cls(**load_file(str(file)))
 
 
-@contextmanager
-def bfloat16_matmuls(target):
-    """Within: every matmul of the (float32) target in bfloat16, float32 in and out, and no
-    whole-layer C calls (they multiply in float32)."""
-    linears = [m for m in target.modules() if isinstance(m, PackedLinear)]
-    fused = target.fused
-    for m in linears:
-        m.matmul = partial(_bfloat16_matmul, m.weight.detach().bfloat16())  # shadows the class's matmul
-    target.fused = None
-    try:
-        yield
-    finally:
-        for m in linears:
-            del m.matmul
-        target.fused = fused
-
-
-def _bfloat16_matmul(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x [T, in] float32, weight [out, in] bfloat16 -> [T, out] float32."""
-    return F.linear(x.bfloat16(), weight).float()
-
-
 @torch.no_grad()
 def distill(target, prompts: list[list[int]], max_tokens: int, layers, eos: set[int], batch: int = 128,
-            progress=None, bf16: bool = False) -> Distilled:
+            progress=None) -> Distilled:
     """Every prompt followed by the target's greedy answer (at most ``max_tokens``, ending
     at EOS), with features and labels. Up to ``batch`` chats are decoded at once, and a
     finished chat's place goes to the next prompt in the same pass (continuous batching,
-    as the engine does); ``progress(1)`` as each chat ends. ``bf16``: the target's matmuls
-    in bfloat16 (the module docstring)."""
-    if bf16:
-        with bfloat16_matmuls(target):
-            return distill(target, prompts, max_tokens, layers, eos, batch, progress)
+    as the engine does); ``progress(1)`` as each chat ends."""
     cfg, block = target.config, 16
     per = -(-(max(map(len, prompts)) + max_tokens) // block)  # KV blocks per place
     kv = PagedKV(KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), block, torch.float32),
