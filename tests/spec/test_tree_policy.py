@@ -7,7 +7,7 @@ import pytest
 from engine.config import SpeculativeConfig
 from engine.spec_decode.policy import Candidate as Request, SpecPolicy, StepCosts
 from engine import tree
-from engine.tree_policy import Candidate, best_grown, expected_accepted, grown, update
+from engine.tree_policy import PRIOR_SIBLING, Candidate, best_grown, expected_accepted, grown, update
 
 
 def test_expected_accepted_of_a_small_tree():
@@ -22,7 +22,8 @@ def test_update_moves_each_tried_rank_towards_its_outcome():
     # depth 0: rank 0 rejected, rank 1 accepted; depth 1: two children tried, none accepted
     tested = update(rank0, siblings, [(2, 1), (2, None)], weight=0.5)
     assert tested == 2
-    assert rank0 == [0.25, 0.25] and siblings == [[0.625], [0.125]]
+    # rank 1 starts from the prior at both depths: accepted at depth 0, rejected at depth 1
+    assert rank0 == [0.25, 0.25] and siblings == [[PRIOR_SIBLING + 0.5 * (1 - PRIOR_SIBLING)], [0.5 * PRIOR_SIBLING]]
 
 
 def _closed_subtrees(full: tuple[int, ...], size: int):
