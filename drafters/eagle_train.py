@@ -166,14 +166,14 @@ def _start_as_layer(head: EagleHead, layer) -> None:
     """The head's decoder layer as ``layer`` where its hidden input stands for the layer's
     input; the embedding's half of q, k and v scaled down to a tenth of its random start."""
     H = head.config.hidden_size
-    qkv = layer.self_attn.qkv_proj.weight
-    q, kv = head.q_proj.weight.shape[0], head.k_proj.weight.shape[0]
-    for proj, w in ((head.q_proj, qkv[:q]), (head.k_proj, qkv[q : q + kv]), (head.v_proj, qkv[q + kv :])):
+    qkv = layer.self_attn.qkv_proj
+    for proj, w in zip((head.q_proj, head.k_proj, head.v_proj), qkv.weight.split(qkv.out_sizes)):
         proj.weight[:, :H] *= 0.1
         proj.weight[:, H:] = w
     head.hidden_norm.weight.copy_(layer.input_layernorm.weight)
     head.o_proj.weight.copy_(layer.self_attn.o_proj.weight)
-    gate, up = layer.mlp.gate_up_proj.weight.chunk(2)
+    gate_up = layer.mlp.gate_up_proj
+    gate, up = gate_up.weight.split(gate_up.out_sizes)
     head.gate_proj.weight.copy_(gate)
     head.up_proj.weight.copy_(up)
     head.down_proj.weight.copy_(layer.mlp.down_proj.weight)
