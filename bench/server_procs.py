@@ -58,12 +58,14 @@ def settle(pids: list[int], idle_cores: float = 0.1, interval: float = 0.25, tim
 
 
 @contextmanager
-def serve(extra_args: list[str], log_path: str, timeout: float = 300):
-    """A ``specserve serve`` on 127.0.0.1; yields its base URL; terminates it on exit."""
+def serve(extra_args: list[str], log_path: str, timeout: float = 300, cwd=None):
+    """A ``specserve serve`` on 127.0.0.1; yields its base URL; terminates it on exit.
+    ``cwd``: a checkout to serve from (``python -m`` imports from there); default this one."""
     port = free_port()
     cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *extra_args]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                cwd=cwd)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + timeout

@@ -3,6 +3,7 @@ ngram and early_exit also as token trees.
 
     .venv/bin/python -m bench.spec [--prompts 5] [--mt-prompts 2] [--max-tokens 256]
         [--methods plain,ngram,...] [--categories qa,stem,...] [--eagle-head DIR]
+        [--baseline CHECKOUT]   # each chosen method but plain also as METHOD@base: an older commit
     .venv/bin/python -m bench.spec --categories qa --prompts 1 --max-tokens 16 \
         --methods plain,ngram,ngram-tree    # a smoke run
 
@@ -47,6 +48,7 @@ METHODS = {
                         "max_tree_nodes": 8},
 }
 EAGLE_HEAD = "~/.cache/specserve/heads/SmolLM2-135M-Instruct-eagle3"
+BASE = "@base"  # suffix of a method served from the --baseline checkout
 MT_BENCH = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
 
 
@@ -99,6 +101,9 @@ def select_methods(args) -> None:
             del METHODS[name]
         elif spec and "eagle" in spec["method"]:
             spec["model"] = str(head)
+    if args.baseline:
+        for name in [m for m in METHODS if m != "plain"]:
+            METHODS[name + BASE] = METHODS[name]
 
 
 def run(args) -> dict:
@@ -117,7 +122,8 @@ def run(args) -> dict:
             extra = ["--max-model-len", "4096", "--kv-cache-memory-bytes", str(512 << 20)]
             if spec:
                 extra += ["--speculative-config", json.dumps(spec)]
-            urls[name] = stack.enter_context(serve(extra, str(RESULTS / f"spec-server-{name}.log")))
+            cwd = args.baseline if name.endswith(BASE) else None
+            urls[name] = stack.enter_context(serve(extra, str(RESULTS / f"spec-server-{name}.log"), cwd=cwd))
         for url in urls.values():  # warm-up: first-call costs stay out of the figures
             stream_chat(url, "Say hello.", 16)
         for cat, prompts in cats.items():
@@ -189,6 +195,8 @@ def report(results: dict, args) -> None:
     if args.categories:
         cmd += f" --categories {args.categories}"
     cmd += f" --methods {args.methods}"
+    if args.baseline:
+        cmd += f" --baseline {args.baseline}"
     write_report("spec", "Speculative decoding by Spec-Bench category (batch 1, greedy)", body, cmd)
     plot(results, per_pos_all)
 
@@ -215,10 +223,12 @@ def tree_vs_chain(results: dict) -> str:
     rows = []
     for c, by_method in results.items():
         for m in METHODS:
-            if m.endswith("-tree") and m in by_method and m[: -len("-tree")] in by_method:
-                chain, tree = _row(by_method, m[: -len("-tree")]), _row(by_method, m)
-                rows.append([c, m[: -len("-tree")], chain[5], tree[5], chain[6], tree[6], chain[3], tree[3],
-                             tree[3] / chain[3]])
+            suffix = BASE if m.endswith(BASE) else ""
+            core = m[: len(m) - len(suffix)]
+            chain_name = core[: -len("-tree")] + suffix
+            if core.endswith("-tree") and m in by_method and chain_name in by_method:
+                chain, tree = _row(by_method, chain_name), _row(by_method, m)
+                rows.append([c, chain_name, chain[5], tree[5], chain[6], tree[6], chain[3], tree[3], tree[3] / chain[3]])
     return "Token trees against chains:\n\n" + markdown_table(header, rows) if rows else ""
 
 
@@ -264,6 +274,8 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of the methods")
     ap.add_argument("--categories", default=None, help="comma-separated subset of the categories")
     ap.add_argument("--eagle-head", default=EAGLE_HEAD)
+    ap.add_argument("--baseline", default=None,
+                    help=f"a checkout of an older specserve commit: each chosen method but plain also runs from it, as METHOD{BASE}")
     args = ap.parse_args()
     select_methods(args)
     results = run(args)
