@@ -40,7 +40,7 @@ def layer_stack(hint, lib=None):
             if hint is None:
                 fns.append(lambda x, w=w: F.linear(x, w))
             elif hint == "gemv":
-                fns.append(lambda x, w=w: gemv(lib, x, w))
+                fns.append(lambda x, w=cpu_kernels.kernel_weight(w, lib): gemv(lib, x, w))
             else:
                 p = torch.ops.mkldnn._reorder_linear_weight(w, hint)
                 fns.append(lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
@@ -48,11 +48,12 @@ def layer_stack(hint, lib=None):
     return stack
 
 
-def gemv(lib, x, w):
+def gemv(lib, x, w: cpu_kernels.KernelWeight):
     if lib is None:
         return cpu_kernels.gemv(x, w)
-    y = torch.empty(x.shape[0], w.shape[0])
-    lib.gemv_f32(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], x.shape[1], torch.get_num_threads())
+    y = torch.empty(x.shape[0], w.out_features)
+    lib.gemv_f32(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), x.shape[0], w.out_features, x.shape[1],
+                 torch.get_num_threads())
     return y
 
 

@@ -7,10 +7,11 @@ them at 14-22 GB/s on an AVX2 bench machine, where a plain sum over the same byt
 runs at 30-36 GB/s; ``gemv`` streams each weight row once, with prefetching,
 and reuses it from L1 for every input row (up to 8 rows; past that, 3 x 4 tiles
 of input rows and weight rows, where arithmetic starts to count). Built with
-AVX-512 (``compile_flags``), it multiplies tiles of up to 3 x 8 or 4 x 6 (input rows x
-weight rows) with one summation order for every row count, so a row's result is
-the same bits at any batch size; on a 2-core Zen 5 it streams 1 row at ~60 GB/s
-and beats oneDNN up to about 8 rows (`python -m bench.kernels`).
+AVX-512 (``compile_flags``), it multiplies tiles of up to 4 input rows x 6 weight
+rows with one summation order for every row count, so a row's result is the same
+bits at any batch size, and reads the weights laid out in those tiles
+(``kernel_weight``, done once at start-up): each tile one contiguous stream,
+prefetched into L2 (`python -m bench.kernels`).
 ``paged_attention``, ``rope`` and ``silu_mul`` take the rest of a decode step's
 small ops: attention straight from the paged cache with no gather or padding
 (with AVX-512 and head sizes 64 or 128, queries and accumulators held in
@@ -34,6 +35,7 @@ torch ops do everything; ``SPECSERVE_CPU_AVX512=0`` keeps the AVX2 build on an A
 
 import ctypes
 import functools
+from dataclasses import dataclass
 import hashlib
 import logging
 import os
@@ -113,6 +115,8 @@ def build(compiler: str, flags: tuple[str, ...]):
     """The library compiled with ``flags`` (cached on disk), its functions typed."""
     lib = ctypes.CDLL(str(_build(compiler, flags)))
     lib.gemv_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.weight_tile_rows.argtypes = ()
+    lib.weight_tile_rows.restype = ctypes.c_int
     lib.rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.paged_attention_f32.argtypes = (
         [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
@@ -137,13 +141,39 @@ def usable(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled() and load() is not None
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T -> [M, N], float32 on the CPU; ``load()`` must not be None."""
+@dataclass(frozen=True)
+class KernelWeight:
+    """A weight [out_features, in_features] laid out as the loaded build's matmul reads it
+    (``kernel_weight``): the tensor itself for the AVX2 build; for the AVX-512 one, tiles of
+    ``tile_rows`` weight rows, [ceil(out / tile_rows), ceil(in / 16), tile_rows, 16] zero
+    padded, each tile one contiguous stream (csrc/cpu_kernels.c, ``gemm512``)."""
+
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def kernel_weight(weight: torch.Tensor, lib=None) -> KernelWeight:
+    """weight [out, in] (float32, CPU) in the layout of the matmul of ``lib`` (default ``load()``,
+    which must not be None then): the tensor itself or a tiled copy, the same numbers."""
+    n, k = weight.shape
+    rows = (lib or load()).weight_tile_rows()
+    if not rows:
+        return KernelWeight(weight.contiguous(), n, k)
+    tiles, blocks = -(-n // rows), -(-k // 16)
+    padded = weight.new_zeros(tiles * rows, blocks * 16)
+    padded[:n, :k] = weight
+    return KernelWeight(padded.view(tiles, rows, blocks, 16).transpose(1, 2).contiguous(), n, k)
+
+
+def gemv(x: torch.Tensor, weight: KernelWeight) -> torch.Tensor:
+    """x [M, in] -> x @ weight.T [M, out] (float32 on the CPU; ``load()`` must not be None).
+    A row's result is the same bits whatever the other rows are."""
     x = x.contiguous()
-    m, k = x.shape
-    n = weight.shape[0]
+    m, n, k = x.shape[0], weight.out_features, weight.in_features
+    assert x.shape[1] == k
     y = torch.empty(m, n, dtype=torch.float32)
-    load().gemv_f32(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
+    load().gemv_f32(x.data_ptr(), weight.data.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
     return y
 
 
@@ -211,12 +241,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def layer_args(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
-               weights: list[torch.Tensor]) -> tuple:
+               norms: tuple[torch.Tensor, torch.Tensor], matrices: tuple[KernelWeight, ...]) -> tuple:
     """A decoder layer's constant arguments of ``decoder_layer``: its sizes, and the addresses
-    of ``weights`` (input norm, qkv, o, post-attention norm, gate+up, down; float32,
-    contiguous, never moved afterwards)."""
-    assert all(w.dtype == torch.float32 and w.is_contiguous() for w in weights)
-    return (hidden, heads, kv_heads, head_dim, inter, eps, head_dim**-0.5, *(w.data_ptr() for w in weights))
+    of its input and post-attention norms' weights (float32, contiguous) and of its qkv, o,
+    gate+up and down matrices (``kernel_weight``), none of them ever moved afterwards."""
+    assert all(w.dtype == torch.float32 and w.is_contiguous() for w in norms)
+    ln1, ln2 = (w.data_ptr() for w in norms)
+    qkv, o, gate_up, down = (m.data.data_ptr() for m in matrices)
+    return (hidden, heads, kv_heads, head_dim, inter, eps, head_dim**-0.5, ln1, qkv, o, ln2, gate_up, down)
 
 
 def step_args(cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor,

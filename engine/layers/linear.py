@@ -18,9 +18,10 @@ SmolLM2's 30 layers, this one 1 row in 30 ms and 4 rows in 37 ms. So
 ``calibrate_min_rows`` times the model's own matmuls at start-up and picks.
 
 Inputs of a few rows (decode and verification steps) may instead go through
-``cpu_kernels.gemv``, an AVX2 kernel that streams the weights faster than oneDNN at
-1-8 rows on the bench machine; ``calibrate_gemv`` times both at start-up and
-sets up to how many rows it is used.
+``cpu_kernels.gemv``, our C kernel, which streams the weights faster than oneDNN
+at few rows, from its own copy of them (``cpu_kernels.kernel_weight``: tiled on
+AVX-512 CPUs, the weight itself otherwise); ``calibrate_gemv`` times both at
+start-up and sets up to how many rows it is used.
 """
 
 import time
@@ -51,20 +52,24 @@ class PackedLinear(nn.Module):
     """A ``weight`` [out, in] applied as ``x @ weight.T``, through a prepacked copy when there is one."""
 
     weight: nn.Parameter
-    packed: torch.Tensor | None = None
+    packed: torch.Tensor | None = None  # the weight in oneDNN's layout
+    kernel: cpu_kernels.KernelWeight | None = None  # ... and in cpu_kernels.gemv's
     min_rows: int = 1  # pad inputs of fewer rows to this many (set by calibrate_min_rows)
     gemv_max_rows: int = 0  # inputs of at most this many rows use cpu_kernels.gemv (set by calibrate_gemv)
 
     def prepack(self) -> None:
-        """Reorder the weight once for oneDNN (CPU, float32); call after the weights are loaded."""
+        """Reorder the weight once for oneDNN and for the C kernel (CPU, float32); call after
+        the weights are loaded."""
         if can_prepack(self.weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, PACK_BATCH_HINT)
+            if cpu_kernels.load() is not None:
+                self.kernel = cpu_kernels.kernel_weight(self.weight.data)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
         rows = x.shape[0]
         if rows <= self.gemv_max_rows:
-            return cpu_kernels.gemv(x, self.weight)
+            return cpu_kernels.gemv(x, self.kernel)
         if self.packed is not None:
             if rows < self.min_rows:
                 x = torch.cat([x, x.new_zeros(self.min_rows - rows, x.shape[1])])
@@ -101,9 +106,10 @@ def calibrate_gemv(layers: list[PackedLinear], repeats: int = 5, tolerance: floa
     packed layer at each of ``GEMV_CANDIDATES`` rows, interleaved, best of ``repeats``;
     sets every layer's ``gemv_max_rows`` to the largest candidate before the first one where
     the kernel is slower by more than ``tolerance`` (a tie goes to the kernel: its rows do not
-    depend on the batch). Returns it (0: oneDNN everywhere, or no kernel)."""
-    layers = [m for m in layers if m.packed is not None]
-    if not layers or cpu_kernels.load() is None:
+    depend on the batch). Returns it (0: oneDNN everywhere, or no kernel; the layers then
+    drop their ``kernel`` copy)."""
+    layers = [m for m in layers if m.packed is not None and m.kernel is not None]
+    if not layers:
         return 0
     chosen = 0
     for rows in GEMV_CANDIDATES:
@@ -122,6 +128,8 @@ def calibrate_gemv(layers: list[PackedLinear], repeats: int = 5, tolerance: floa
         chosen = rows
     for m in layers:
         m.gemv_max_rows = chosen
+        if not chosen:
+            m.kernel = None  # never read: free the copy (on AVX-512 it is one)
     return chosen
 
 

@@ -98,17 +98,19 @@ class LlamaDecoderLayer(nn.Module):
     def fused_args(self) -> tuple | None:
         """This layer's ``cpu_kernels.layer_args`` (the whole layer in one C call), or None
         where it cannot run that way: no kernels, not float32 on the CPU, q/k norms, or
-        tensor parallel (its all-reduces sit between the kernels)."""
+        tensor parallel (its all-reduces sit between the kernels). Call after ``prepack``."""
         attn, mlp = self.self_attn, self.mlp
         w = attn.qkv_proj.weight
         norms = (self.input_layernorm, self.post_attention_layernorm)
         if (cpu_kernels.load() is None or w.dtype != torch.float32 or w.device.type != "cpu" or attn.qk_norm
                 or attn.o_proj.tp.size > 1 or norms[0].eps != norms[1].eps):
             return None
-        weights = [norms[0].weight, w, attn.o_proj.weight, norms[1].weight, mlp.gate_up_proj.weight,
-                   mlp.down_proj.weight]
+        matrices = (attn.qkv_proj.kernel, attn.o_proj.kernel, mlp.gate_up_proj.kernel, mlp.down_proj.kernel)
+        if None in matrices:
+            return None
         return cpu_kernels.layer_args(w.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                      mlp.down_proj.weight.shape[1], norms[0].eps, [t.data for t in weights])
+                                      mlp.down_proj.weight.shape[1], norms[0].eps, (norms[0].weight.data,
+                                      norms[1].weight.data), matrices)
 
 
 class LlamaForCausalLM(nn.Module):

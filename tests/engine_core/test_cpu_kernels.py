@@ -24,14 +24,16 @@ def test_gemv_matches_matmul(m, n, k, kernel_build):
     """Odd row and feature counts, K not a multiple of the vector width, more rows than one block."""
     g = torch.Generator().manual_seed(m * 1000 + n)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
-    torch.testing.assert_close(cpu_kernels.gemv(x, w), x @ w.T, rtol=1e-4, atol=1e-4)
+    kw = cpu_kernels.kernel_weight(w)
+    torch.testing.assert_close(cpu_kernels.gemv(x, kw), x @ w.T, rtol=1e-4, atol=1e-4)
 
 
 @needs_kernel
 def test_gemv_reads_a_non_contiguous_input(kernel_build):
     x = torch.randn(16, 64)[::4]  # rows of a larger tensor
     w = torch.randn(10, 64)
-    torch.testing.assert_close(cpu_kernels.gemv(x, w), x @ w.T, rtol=1e-4, atol=1e-4)
+    kw = cpu_kernels.kernel_weight(w)
+    torch.testing.assert_close(cpu_kernels.gemv(x, kw), x @ w.T, rtol=1e-4, atol=1e-4)
 
 
 @needs_kernel
@@ -41,7 +43,9 @@ def test_calibration_picks_a_candidate_and_the_layer_routes_by_rows():
     chosen = calibrate_gemv(layers, repeats=2)
     assert chosen in (0, *GEMV_CANDIDATES)
     assert {m.gemv_max_rows for m in layers} == {chosen}
+    assert all((m.kernel is None) == (chosen == 0) for m in layers)  # an unused copy is freed
     layer = layers[0]
+    layer.kernel = cpu_kernels.kernel_weight(layer.weight.data)
     layer.gemv_max_rows = 4
     for rows in (1, 4, 5, 16):  # 1 and 4 through the kernel, 5 and 16 through oneDNN
         x = torch.randn(rows, 64)
@@ -85,18 +89,19 @@ def test_gemv_row_results_do_not_depend_on_the_batch(kernel_build):
     AVX2 build, and from 9 rows on; at any row count in the AVX-512 one."""
     g = torch.Generator().manual_seed(7)
     w, x = torch.randn(50, 200, generator=g), torch.randn(7, 200, generator=g)
-    alone = torch.cat([cpu_kernels.gemv(x[i : i + 1], w) for i in range(7)])
+    kw = cpu_kernels.kernel_weight(w)
+    alone = torch.cat([cpu_kernels.gemv(x[i : i + 1], kw) for i in range(7)])
     for m in range(1, 8):
-        assert torch.equal(cpu_kernels.gemv(x[:m], w), alone[:m])
+        assert torch.equal(cpu_kernels.gemv(x[:m], kw), alone[:m])
     # Past 8 rows (many requests) the tiled kernel: again one order for every row count.
     x = torch.randn(20, 200, generator=g)
-    full = cpu_kernels.gemv(x, w)
+    full = cpu_kernels.gemv(x, kw)
     for m in (9, 10, 11, 12, 17):
-        assert torch.equal(cpu_kernels.gemv(x[:m], w), full[:m])
+        assert torch.equal(cpu_kernels.gemv(x[:m], kw), full[:m])
     if kernel_build == "native" and AVX512_BUILD:
-        alone = torch.cat([cpu_kernels.gemv(x[i : i + 1], w) for i in range(20)])
+        alone = torch.cat([cpu_kernels.gemv(x[i : i + 1], kw) for i in range(20)])
         for m in (2, 3, 4, 5, 8, 9, 13, 20):
-            assert torch.equal(cpu_kernels.gemv(x[:m], w), alone[:m])
+            assert torch.equal(cpu_kernels.gemv(x[:m], kw), alone[:m])
 
 
 @needs_kernel
