@@ -7,11 +7,11 @@ them at 14-22 GB/s on an AVX2 bench machine, where a plain sum over the same byt
 runs at 30-36 GB/s; ``gemv`` streams each weight row once, with prefetching,
 and reuses it from L1 for every input row (up to 8 rows; past that, 3 x 4 tiles
 of input rows and weight rows, where arithmetic starts to count). Built with
-AVX-512 (``compile_flags``), it multiplies tiles of up to 4 input rows x 6 weight
-rows with one summation order for every row count, so a row's result is the same
-bits at any batch size, and reads the weights laid out in those tiles
-(``kernel_weight``, done once at start-up): each tile one contiguous stream,
-prefetched into L2 (`python -m bench.kernels`).
+AVX-512 (``compile_flags``), it reads the weights in panels of 96 output features
+(``kernel_weight``, laid out once at start-up; each panel one contiguous stream,
+prefetched into L2) and multiplies up to 4 input rows at a time into them, one
+chain over k per output, the same order for every row count: a row's result is
+the same bits at any batch size (`python -m bench.kernels`).
 ``paged_attention``, ``rope`` and ``silu_mul`` take the rest of a decode step's
 small ops: attention straight from the paged cache with no gather or padding
 (with AVX-512 and head sizes 64 or 128, queries and accumulators held in
@@ -115,8 +115,8 @@ def build(compiler: str, flags: tuple[str, ...]):
     """The library compiled with ``flags`` (cached on disk), its functions typed."""
     lib = ctypes.CDLL(str(_build(compiler, flags)))
     lib.gemv_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.weight_tile_rows.argtypes = ()
-    lib.weight_tile_rows.restype = ctypes.c_int
+    lib.weight_panel.argtypes = ()
+    lib.weight_panel.restype = ctypes.c_int
     lib.rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.paged_attention_f32.argtypes = (
         [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
@@ -144,9 +144,9 @@ def usable(x: torch.Tensor) -> bool:
 @dataclass(frozen=True)
 class KernelWeight:
     """A weight [out_features, in_features] laid out as the loaded build's matmul reads it
-    (``kernel_weight``): the tensor itself for the AVX2 build; for the AVX-512 one, tiles of
-    ``tile_rows`` weight rows, [ceil(out / tile_rows), ceil(in / 16), tile_rows, 16] zero
-    padded, each tile one contiguous stream (csrc/cpu_kernels.c, ``gemm512``)."""
+    (``kernel_weight``): the tensor itself for the AVX2 build; for the AVX-512 one, panels of
+    ``weight_panel()`` output features, [ceil(out / panel), in, panel] zero padded, each
+    panel one contiguous stream (csrc/cpu_kernels.c, ``gemm512``)."""
 
     data: torch.Tensor
     out_features: int
@@ -155,15 +155,15 @@ class KernelWeight:
 
 def kernel_weight(weight: torch.Tensor, lib=None) -> KernelWeight:
     """weight [out, in] (float32, CPU) in the layout of the matmul of ``lib`` (default ``load()``,
-    which must not be None then): the tensor itself or a tiled copy, the same numbers."""
+    which must not be None then): the tensor itself or a copy in panels, the same numbers."""
     n, k = weight.shape
-    rows = (lib or load()).weight_tile_rows()
-    if not rows:
+    panel = (lib or load()).weight_panel()
+    if not panel:
         return KernelWeight(weight.contiguous(), n, k)
-    tiles, blocks = -(-n // rows), -(-k // 16)
-    padded = weight.new_zeros(tiles * rows, blocks * 16)
-    padded[:n, :k] = weight
-    return KernelWeight(padded.view(tiles, rows, blocks, 16).transpose(1, 2).contiguous(), n, k)
+    panels = -(-n // panel)
+    padded = weight.new_zeros(panels * panel, k)
+    padded[:n] = weight
+    return KernelWeight(padded.view(panels, panel, k).transpose(1, 2).contiguous(), n, k)
 
 
 def gemv(x: torch.Tensor, weight: KernelWeight) -> torch.Tensor:

@@ -4,7 +4,7 @@
  * engine/layers/cpu_kernels.py.
  *
  * gemv_f32: y [M, N] = x [M, K] @ w [N, K]^T (a handful of rows; any M works), w in the
- * layout that weight_tile_rows names (as it is in the AVX2 build, tiled in the AVX-512 one).
+ * layout that weight_panel names (as it is in the AVX2 build, in panels in the AVX-512 one).
  * At a few rows a linear layer is a stream over its weights: every weight is
  * read from memory once and used M times. Each thread takes a contiguous range
  * of output features. Up to SMALL_M rows (a decode step with its drafts), the
@@ -126,76 +126,74 @@ static void gemv_tiles(const float *x, const float *w, float *y, int64_t M, int6
 }
 
 #ifdef __AVX512F__
-/* AVX-512 (built where the CPU has it): one order for every M, on weights tiled.
+/* AVX-512 (built where the CPU has it): one order for every M, on weights in panels.
  *
- * The weights are read in tiles of TW rows (weight_tile_rows; engine/layers/cpu_kernels.py
- * lays them out once at start-up): w [N, K] as [ceil(N / TW)][ceil(K / 16)][TW][16], zero
- * padded, so that a tile's TW x 16 floats for one step over k lie side by side and a tile is
- * one contiguous stream. Read in place, [N, K] row by row, the TW rows were TW streams 4*K
- * bytes apart, which the hardware prefetcher follows worse: on a 2-core Zen 4 the tiled
- * layout took the 30 layers of SmolLM2-135M at 1 row in 14.5-15 ms against 16.5-18, and
- * at 2-8 rows 12-25% less time, with the same bits (a /tmp C benchmark, best of 15).
+ * The weights are read in panels of PANEL = 16 * PV output features (weight_panel;
+ * engine/layers/cpu_kernels.py lays them out once at start-up): w [N, K] as
+ * [ceil(N / PANEL)][K][PANEL], zero padded, so that a panel is one contiguous stream and
+ * its PANEL weights for one k lie side by side. Each step over k broadcasts x[r][k] for R
+ * input rows and multiplies it into PV vectors of 16 features: R x PV accumulators that
+ * hold y's own entries, with no horizontal sum at the end. Every y[r][c] is one chain
+ * over k = 0, 1, ..., K - 1, the same order for every R and place in the batch, so a row's
+ * result is the same bits whatever else is in the batch, at any M.
  *
- * y[r][c] = w[c] . x[r] for R input rows (known at compile time in each instantiation) and
- * the TW weight rows of a tile, of which the first `cols` are stored: R x TW accumulators,
- * each one chain over k in steps of 16 (the tail of x through a masked load, the weights'
- * tail zero), then _mm512_reduce_add_ps. That order is the same for every R and place in
- * the batch, so a row's result is the same bits whatever else is in the batch, at any M.
- * The first pass over a tile (first) prefetches it ahead into L2; the passes for the next
- * input rows find it in L1 or L2. */
-#define TW 6 /* weight rows per tile: 4 x 6 accumulators and 4 inputs + 1 weight in 32 registers */
-#define TILE_PREFETCH 1024 /* floats ahead in a tile's stream */
-static inline __attribute__((always_inline)) void tile512(const float *t, const float *x, int64_t K, int R,
-                                                           int first, float *y, int64_t N, int64_t cols) {
-    __m512 a[4][TW];
+ * On a 2-core Zen 4, the 30 layers of SmolLM2-135M (a /tmp C benchmark, best of 11): 1
+ * row in 9.1 ms, as with the earlier tiles of 6 weight rows summed 16 lanes at a time,
+ * 4 rows in 8.5-9.6 against 12.6-13.0, 16 rows in 20.2 against 26.9 (oneDNN 25.2), 32
+ * in 35.5 against 44.0. Read in place, [N, K] row by row, the weights were PV streams
+ * 4*K bytes apart, which the hardware prefetcher followed worse (1 row in 16.5-18 ms).
+ * The first pass over a panel (first) prefetches it ahead into L2; the passes for the
+ * next input rows find it there. */
+#define PV 6 /* vectors of 16 features per panel: 4 x 6 accumulators, 4 inputs and a weight in 32 registers */
+#define PANEL (16 * PV)
+#define PANEL_PREFETCH 1024 /* floats ahead in a panel's stream */
+static inline __attribute__((always_inline)) void panel512(const float *p, const float *x, int64_t K, int R,
+                                                            int first, float *y, int64_t N, int64_t cols) {
+    __m512 a[4][PV];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < TW; c++) a[r][c] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16, t += TW * 16) {
+        for (int c = 0; c < PV; c++) a[r][c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++, p += PANEL) {
+        if (first && (k & 1) == 0)
+            for (int c = 0; c < PV; c++) _mm_prefetch((const char *)(p + PANEL_PREFETCH + 16 * c), _MM_HINT_T1);
         __m512 xv[4];
-        for (int r = 0; r < R; r++) xv[r] = _mm512_loadu_ps(x + r * K + k);
-        for (int c = 0; c < TW; c++) {
-            if (first) _mm_prefetch((const char *)(t + TILE_PREFETCH + 16 * c), _MM_HINT_T1);
-            __m512 wv = _mm512_loadu_ps(t + 16 * c);
-            for (int r = 0; r < R; r++) a[r][c] = _mm512_fmadd_ps(wv, xv[r], a[r][c]);
-        }
-    }
-    if (k < K) {
-        const __mmask16 tail = (__mmask16)((1u << (K - k)) - 1);
-        __m512 xv[4];
-        for (int r = 0; r < R; r++) xv[r] = _mm512_maskz_loadu_ps(tail, x + r * K + k);
-        for (int c = 0; c < TW; c++) {
-            __m512 wv = _mm512_loadu_ps(t + 16 * c);
-            for (int r = 0; r < R; r++) a[r][c] = _mm512_fmadd_ps(wv, xv[r], a[r][c]);
+        for (int r = 0; r < R; r++) xv[r] = _mm512_set1_ps(x[r * K + k]);
+        for (int c = 0; c < PV; c++) {
+            __m512 wv = _mm512_loadu_ps(p + 16 * c);
+            for (int r = 0; r < R; r++) a[r][c] = _mm512_fmadd_ps(xv[r], wv, a[r][c]);
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < TW; c++)
-            if (c < cols) y[r * N + c] = _mm512_reduce_add_ps(a[r][c]);
+        for (int c = 0; c < PV; c++) {
+            const int64_t left = cols - 16 * c;
+            if (left >= 16)
+                _mm512_storeu_ps(y + r * N + 16 * c, a[r][c]);
+            else if (left > 0)
+                _mm512_mask_storeu_ps(y + r * N + 16 * c, (__mmask16)((1u << left) - 1), a[r][c]);
+        }
 }
 
-/* One tile (weights t, output features n ..) against every input row, 4 at a time. */
-#define TILE512(R) tile512(t, x + m * K, K, R, m == 0, y + m * N + n, N, cols)
+/* One panel (weights p, output features n ..) against every input row, 4 at a time. */
+#define PANEL512(R) panel512(p, x + m * K, K, R, m == 0, y + m * N + n, N, cols)
 static void gemm512(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
-    const int64_t tiles = (N + TW - 1) / TW, tile_floats = (K + 15) / 16 * 16 * TW;
+    const int64_t panels = (N + PANEL - 1) / PANEL;
     #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t i = 0; i < tiles; i++) {
-        const float *t = w + i * tile_floats;
-        const int64_t n = i * TW, cols = N - n < TW ? N - n : TW;
+    for (int64_t i = 0; i < panels; i++) {
+        const float *p = w + i * K * PANEL;
+        const int64_t n = i * PANEL, cols = N - n < PANEL ? N - n : PANEL;
         int64_t m = 0;
-        for (; m + 4 <= M; m += 4) TILE512(4);
-        if (M - m == 3) TILE512(3);
-        if (M - m == 2) TILE512(2);
-        if (M - m == 1) TILE512(1);
+        for (; m + 4 <= M; m += 4) PANEL512(4);
+        if (M - m == 3) PANEL512(3);
+        if (M - m == 2) PANEL512(2);
+        if (M - m == 1) PANEL512(1);
     }
 }
 #endif
 
-/* The weight layout gemv_f32 reads: tiles of this many rows (see gemm512), or 0 for
- * [N, K] as it is (the AVX2 build). */
-int weight_tile_rows(void) {
+/* The weight layout gemv_f32 reads: panels of this many output features (see gemm512),
+ * or 0 for [N, K] as it is (the AVX2 build). */
+int weight_panel(void) {
 #ifdef __AVX512F__
-    return TW;
+    return PANEL;
 #else
     return 0;
 #endif
