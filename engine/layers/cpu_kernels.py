@@ -35,7 +35,6 @@ torch ops do everything; ``SPECSERVE_CPU_AVX512=0`` keeps the AVX2 build on an A
 
 import ctypes
 import functools
-from dataclasses import dataclass
 import hashlib
 import logging
 import os
@@ -43,6 +42,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch

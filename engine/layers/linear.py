@@ -19,7 +19,7 @@ SmolLM2's 30 layers, this one 1 row in 30 ms and 4 rows in 37 ms. So
 
 Inputs of a few rows (decode and verification steps) may instead go through
 ``cpu_kernels.gemv``, our C kernel, which streams the weights faster than oneDNN
-at few rows, from its own copy of them (``cpu_kernels.kernel_weight``: tiled on
+at few rows, from its own copy of them (``cpu_kernels.kernel_weight``: in panels on
 AVX-512 CPUs, the weight itself otherwise); ``calibrate_gemv`` times both at
 start-up and sets up to how many rows it is used.
 """

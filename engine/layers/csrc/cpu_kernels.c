@@ -137,13 +137,12 @@ static void gemv_tiles(const float *x, const float *w, float *y, int64_t M, int6
  * over k = 0, 1, ..., K - 1, the same order for every R and place in the batch, so a row's
  * result is the same bits whatever else is in the batch, at any M.
  *
- * On a 2-core Zen 4, the 30 layers of SmolLM2-135M (a /tmp C benchmark, best of 11): 1
- * row in 9.1 ms, as with the earlier tiles of 6 weight rows summed 16 lanes at a time,
- * 4 rows in 8.5-9.6 against 12.6-13.0, 16 rows in 20.2 against 26.9 (oneDNN 25.2), 32
- * in 35.5 against 44.0. Read in place, [N, K] row by row, the weights were PV streams
- * 4*K bytes apart, which the hardware prefetcher followed worse (1 row in 16.5-18 ms).
- * The first pass over a panel (first) prefetches it ahead into L2; the passes for the
- * next input rows find it there. */
+ * On a 2-core Zen 4, the 30 layers of SmolLM2-135M (python -m bench.kernels): 9.4 ms at
+ * 1 row, 9.2 at 4, 20.4 at 16, where oneDNN takes 18.7, 15.4 and 24.9; the earlier tiles
+ * (3 x 8 or 4 x 6 weight rows, each output summed 16 lanes at a time and then across,
+ * the weights read in place as 6-8 streams 4*K bytes apart) took 16-19, 19.5-21.4 and
+ * 31.5-36.8 in a C benchmark of the same hours. The first pass over a panel (first)
+ * prefetches it ahead into L2; the passes for the next input rows find it there. */
 #define PV 6 /* vectors of 16 features per panel: 4 x 6 accumulators, 4 inputs and a weight in 32 registers */
 #define PANEL (16 * PV)
 #define PANEL_PREFETCH 1024 /* floats ahead in a panel's stream */
@@ -658,8 +657,8 @@ void rope_f32(const float *x, int64_t x_stride, const float *cos, const float *s
  * model's layer-by-layer forward (engine/models/llama.py) in the same order, so its
  * results are the same bits, without the Python and torch dispatch between them.
  * Weights [out, in], each in gemv_f32's layout: w_qkv [(H + 2 KVH) D, In], w_o [Hd, H D],
- * w_gu [2 I, Hd] (gate rows, then up rows), w_down [Hd, I]; cos, sin [T, D]; the new keys (rotated) and values are
- * written at slot_mapping[t] of k_cache, v_cache [num_slots, KVH, D].
+ * w_gu [2 I, Hd] (gate rows, then up rows), w_down [Hd, I]; cos, sin [T, D]; the new keys
+ * (rotated) and values are written at slot_mapping[t] of k_cache, v_cache [num_slots, KVH, D].
  * attn_in: NULL for a decoder layer (the attention reads rms_norm(x) * ln1, In = Hd), or
  * the attention's input [T, In] given whole (an EAGLE head: its normed embeddings and
  * features side by side, In = 2 Hd, while x, the residual, is the features; ln1 unused).
