@@ -141,7 +141,7 @@ def usable(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled() and load() is not None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: never tensor by tensor
 class KernelWeight:
     """A weight [out_features, in_features] laid out as the loaded build's matmul reads it
     (``kernel_weight``): the tensor itself for the AVX2 build; for the AVX-512 one, panels of
