@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train-eagle", help="train an EAGLE-3 head for the model on the CPU (resumes)")
     train.add_argument("--out", required=True, help="directory of the head (and of its training state)")
     train.add_argument("--model", default=None)
-    for flag in ("minutes", "max-steps", "batch-size", "seq-len", "draft-vocab", "ttt-steps", "lr", "save-every"):
+    for flag in ("minutes", "max-steps", "batch-size", "seq-len", "draft-vocab", "ttt-steps", "lr", "save-every",
+                 "prompts", "answer-tokens"):
         train.add_argument(f"--{flag}", type=float if flag in ("minutes", "lr") else int, default=None)
     train.add_argument("--no-bf16", dest="bf16", action="store_false", default=None,
                        help="float32 matmuls even where the CPU has native bfloat16")
