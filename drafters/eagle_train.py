@@ -61,7 +61,7 @@ class TrainConfig:
     seq_len: int = 256
     draft_vocab: int = 8192
     answer_tokens: int = 192  # the target's answer per distillation prompt, at most
-    prompts: int = 1253  # distillation prompts: a seeded random half of the 2,506 (``spread``); see above
+    prompts: int = 1253  # distillation prompts: a seeded random half of the 2,506 (``random_subset``); see above
     ttt_steps: int = 3
     lr: float = 1e-3
     warmup: int = 10
@@ -86,7 +86,7 @@ def distilled(target, path, cfg: TrainConfig, out: Path) -> Distilled:
         return Distilled.load(file)
     tok = load_tokenizer(path)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-               for p in spread(distillation_prompts(), cfg.prompts, cfg.seed)]
+               for p in random_subset(distillation_prompts(), cfg.prompts, cfg.seed)]
     prompts = [p["input_ids"] if hasattr(p, "keys") else p for p in prompts]  # transformers 5 returns an encoding
     bar = tqdm(total=len(prompts), desc="distill (the target answers)", unit="prompt")
     data = distill(target, prompts, cfg.answer_tokens, feature_layers(target), eos_token_ids_of(target.config, tok),
@@ -97,7 +97,7 @@ def distilled(target, path, cfg: TrainConfig, out: Path) -> Distilled:
     return data
 
 
-def spread(items: list, n: int, seed: int = 0) -> list:
+def random_subset(items: list, n: int, seed: int = 0) -> list:
     """``n`` of ``items`` drawn at random (seeded), in their order; all of them if ``n`` is
     as many or more. Not a stride: the prompts are products (subject x form, task x
     language), and every other one of those would drop half the forms or languages."""

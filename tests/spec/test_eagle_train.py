@@ -144,10 +144,10 @@ def test_distillation_prompts_are_distinct_and_span_the_kinds_of_chat():
 
 def test_the_default_half_of_the_prompts_keeps_every_kind_of_chat_in_its_share():
     from drafters.eagle_prompts import distillation_prompts
-    from drafters.eagle_train import TrainConfig, spread
+    from drafters.eagle_train import TrainConfig, random_subset
 
     prompts = distillation_prompts()
-    half = spread(prompts, TrainConfig(out="unused").prompts)
+    half = random_subset(prompts, TrainConfig(out="unused").prompts)
     assert len(half) == len(set(half)) == 1253 and set(half) <= set(prompts)
     assert [prompts.index(p) for p in half] == sorted(prompts.index(p) for p in half)
     kinds = [f"Write a {lang} function" for lang in ("Python", "JavaScript", "C++", "Java")]
@@ -156,7 +156,7 @@ def test_the_default_half_of_the_prompts_keeps_every_kind_of_chat_in_its_share()
     for start in kinds:  # a stride of 2 would keep none of two languages and of half the forms of writing
         share = sum(p.startswith(start) for p in prompts) / 2
         assert 0.5 * share <= sum(p.startswith(start) for p in half) <= 1.5 * share, start
-    assert spread(prompts, 5000) == prompts
+    assert random_subset(prompts, 5000) == prompts
 
 
 def distilled_chats(target, eos=frozenset()):
