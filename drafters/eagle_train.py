@@ -31,15 +31,16 @@ leave the budget about twice the steps: from a clean start the command answered 
 chats in 10.5 min and trained 1,375 steps (against ~600 with all of them), and its head
 agreed 0.40 / 0.43 / 0.37 at the first draft, 0.33 / 0.37 / 0.30 at the second.
 
-Steps over depth: the training-time test runs 2 steps, not EAGLE-3's 3 or more. A step of
-3 took ~0.76 s here, of 2 ~0.56 s, and the third draft is rarely reached on this CPU (the
-policy drafts one or two tokens a round at these acceptance rates). From the same 1,253 distilled chats and 17.5 minutes of
-training, 2 steps trained 1,851 steps against 3's 1,375, and the head agreed with the target
-on the MT-Bench answers above 0.44 / 0.48 / 0.42 at the first draft (against 0.40 / 0.43 /
-0.37) and 0.36 / 0.39 / 0.31 at the second (against 0.33 / 0.37 / 0.29): better at both
-depths it drafts, as the head resumed to 2,085 steps was. A clean run of the command
-(its distillation slower that time, 14 min) trained 1,700 steps; its head agreed 0.43 /
-0.45 / 0.38 and 0.35 / 0.38 / 0.27: the same recipe varies by a few points from run to run.
+Steps over depth: the training-time test runs 2 steps, not EAGLE-3's 3 or more. A step
+of 3 took ~0.76 s here, of 2 ~0.56 s, and the third draft is rarely reached on this CPU
+(the policy drafts one or two tokens a round at these acceptance rates). From the same
+1,253 distilled chats and 17.5 minutes of training, 2 steps trained 1,851 steps against
+3's 1,375, and the head agreed with the target on those MT-Bench answers 0.44 / 0.48 /
+0.42 at the first draft (against 0.40 / 0.43 / 0.37) and 0.36 / 0.39 / 0.31 at the
+second (against 0.33 / 0.37 / 0.29): better at both depths it drafts, as the head
+resumed to 2,085 steps was. A clean run of the command (its distillation slower that
+time, 14 min) trained 1,700 steps; its head agreed 0.43 / 0.45 / 0.38 and 0.35 / 0.38 /
+0.27: the same recipe varies by a few points from run to run.
 
 Every ``save_every`` steps the head is written in the published EAGLE-3 format (the
 loader reads it), with ``train/state.safetensors`` (weights, Adam moments, step) and
