@@ -124,7 +124,7 @@ def build(compiler: str, flags: tuple[str, ...]):
     lib.silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.rope_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.decoder_layer_f32.argtypes = (
-        [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 16 + [ctypes.c_int]
+        [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 19 + [ctypes.c_int]
     )
     lib.prefill_attention_f32.argtypes = (
         [ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
@@ -188,23 +188,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
-                    start: torch.Tensor, length: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+                    start: torch.Tensor, length: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
+                    scale: float | None = None) -> None:
     """Writes ``out[rows[i]]`` [H, D] = attention of ``q[rows[i]]`` [H, D] over the keys and values at
     ``slots[start[i] : start[i] + length[i]]`` of ``k_cache``/``v_cache`` [num_slots, KVH, D].
 
     q [T, H, D] with unit strides within a row (a view into the fused qkv is fine); out [T, H, D]
-    contiguous; rows, start, length [n] and slots int64. Softmax scale 1/sqrt(D)."""
+    contiguous; rows, start, length [n] and slots int64. Softmax scale ``scale``, default 1/sqrt(D)."""
     _, h, d = q.shape
     kvh = k_cache.shape[1]
     assert q.stride(2) == 1 and q.stride(1) == d and out.is_contiguous() and h % kvh == 0
     load().paged_attention_f32(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(), start.data_ptr(),
-        length.data_ptr(), slots.data_ptr(), out.data_ptr(), rows.shape[0], h, kvh, d, d**-0.5,
+        length.data_ptr(), slots.data_ptr(), out.data_ptr(), rows.shape[0], h, kvh, d, scale or d**-0.5,
         torch.get_num_threads(),
     )
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, out: torch.Tensor) -> bool:
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, out: torch.Tensor,
+                      scale: float | None = None) -> bool:
     """Causal attention of a chunk of new tokens after ``offset`` tokens of context, into
     ``out``: q [m, H, D], k and v [offset + m, KVH, D] (unit strides within a row: views
     into the cache or the fused qkv are fine), out [m, H, D] contiguous; query i sees keys
@@ -217,7 +219,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset:
     assert out.is_contiguous() and k.shape[0] == v.shape[0] == offset + m and h % kvh == 0
     return bool(load().prefill_attention_f32(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(), m, offset,
-        h, kvh, d, d**-0.5, torch.get_num_threads(),
+        h, kvh, d, scale or d**-0.5, torch.get_num_threads(),
     ))
 
 
@@ -241,14 +243,19 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def layer_args(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
-               norms: tuple[torch.Tensor, torch.Tensor], matrices: tuple[KernelWeight, ...]) -> tuple:
+               norms: tuple[torch.Tensor, torch.Tensor], matrices: tuple[KernelWeight, ...],
+               qkv_bias: torch.Tensor | None = None, qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple:
     """A decoder layer's constant arguments of ``decoder_layer``: its sizes, and the addresses
-    of its input and post-attention norms' weights (float32, contiguous) and of its qkv, o,
-    gate+up and down matrices (``kernel_weight``), none of them ever moved afterwards."""
-    assert all(w.dtype == torch.float32 and w.is_contiguous() for w in norms)
+    of its input and post-attention norms' weights (float32, contiguous), of its qkv, o,
+    gate+up and down matrices (``kernel_weight``), and of its qkv bias and per-head q and k
+    norm weights where it has them, none of them ever moved afterwards."""
+    extra = (qkv_bias,) + (qk_norms or (None, None))
+    assert all(w.dtype == torch.float32 and w.is_contiguous() for w in (*norms, *(t for t in extra if t is not None)))
     ln1, ln2 = (w.data_ptr() for w in norms)
     qkv, o, gate_up, down = (m.data.data_ptr() for m in matrices)
-    return (hidden, heads, kv_heads, head_dim, inter, eps, head_dim**-0.5, ln1, qkv, o, ln2, gate_up, down)
+    b_qkv, q_norm, k_norm = (None if t is None else t.data_ptr() for t in extra)
+    return (hidden, heads, kv_heads, head_dim, inter, eps, head_dim**-0.5, ln1, qkv, o, ln2, gate_up, down,
+            b_qkv, q_norm, k_norm)
 
 
 def step_args(cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor,

@@ -239,3 +239,48 @@ def test_prefill_attention_matches_causal_attention_over_the_context(kernel_buil
 def test_prefill_attention_declines_other_head_sizes():
     q, k, v = torch.randn(5, 2, 48), torch.randn(5, 2, 48), torch.randn(5, 2, 48)
     assert not cpu_kernels.prefill_attention(q, k, v, 0, torch.empty(5, 2, 48))
+
+
+@needs_kernel
+@pytest.mark.parametrize("bias, qk_norm", [(True, False), (False, True), (True, True)])
+def test_fused_layer_adds_the_qkv_bias_and_normalizes_each_q_and_k_head(kernel_build, bias, qk_norm):
+    """``decoder_layer`` with a qkv bias and per-head q/k norms (Qwen2, Qwen3) gives the bits of
+    the same kernels called one by one: qkv product, + bias, rms-norm of each D-wide head, rope,
+    attention, o, the MLP; and the keys it writes are the normed, rotated ones."""
+    T, Hd, H, KVH, D, inter, eps = 3, 64, 4, 2, 16, 96, 1e-6
+    g = torch.Generator().manual_seed(11)
+    rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    w = [rnd(n, k) * k**-0.5 for n, k in (((H + 2 * KVH) * D, Hd), (Hd, H * D), (2 * inter, Hd), (Hd, inter))]
+    ln1, ln2, b_qkv, qn, kn = rnd(Hd), rnd(Hd), rnd((H + 2 * KVH) * D), rnd(D), rnd(D)
+    kernels = tuple(cpu_kernels.kernel_weight(m) for m in w)
+    x, cos, sin = rnd(T, Hd), rnd(T, 1, D), rnd(T, 1, D)
+    slot_mapping = torch.tensor([5, 6, 7])
+    rows, start, length, slots = torch.arange(3), torch.zeros(3, dtype=torch.int64), torch.tensor([6, 7, 8]), torch.arange(8)
+    caches = [(torch.randn(2, 4, KVH, D, generator=torch.Generator().manual_seed(1)),
+               torch.randn(2, 4, KVH, D, generator=torch.Generator().manual_seed(2))) for _ in range(2)]
+    # the kernels one by one
+    k_flat, v_flat = (c.view(-1, KVH, D) for c in caches[0])
+    qkv = cpu_kernels.gemv(cpu_kernels.rms_norm(x, ln1, eps), kernels[0])
+    if bias:
+        qkv = qkv + b_qkv
+    qk = qkv[:, : (H + KVH) * D]
+    if qk_norm:
+        qk = torch.cat([cpu_kernels.rms_norm(qk[:, : H * D].reshape(-1, D), qn, eps).view(T, -1),
+                        cpu_kernels.rms_norm(qk[:, H * D :].reshape(-1, D), kn, eps).view(T, -1)], dim=1)
+    qk = cpu_kernels.rope(qk.reshape(T, H + KVH, D), cos, sin)
+    k_flat[slot_mapping], v_flat[slot_mapping] = qk[:, H:], qkv[:, (H + KVH) * D :].view(T, KVH, D)
+    att = torch.empty(T, H, D)
+    cpu_kernels.paged_attention(qk[:, :H], k_flat, v_flat, rows, start, length, slots, att)
+    h = x + cpu_kernels.gemv(att.view(T, -1), kernels[1])
+    ref = h + cpu_kernels.gemv(cpu_kernels.silu_mul(cpu_kernels.gemv(cpu_kernels.rms_norm(h, ln2, eps), kernels[2])),
+                               kernels[3])
+    # one call
+    layer = cpu_kernels.layer_args(Hd, H, KVH, D, inter, eps, (ln1, ln2), kernels, b_qkv if bias else None,
+                                   (qn, kn) if qk_norm else None)
+    scratch = torch.empty(cpu_kernels.scratch_size(T, Hd, H, KVH, D, inter))
+    step = cpu_kernels.step_args(cos.contiguous(), sin.contiguous(), slot_mapping, rows, start, length, slots, scratch)
+    fused = x.clone()
+    cpu_kernels.decoder_layer(fused, layer, *caches[1], step)
+    assert torch.equal(fused, ref)
+    for a, b in zip(caches[0], caches[1]):
+        assert torch.equal(a, b)

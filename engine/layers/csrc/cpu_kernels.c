@@ -651,7 +651,7 @@ void rope_f32(const float *x, int64_t x_stride, const float *cos, const float *s
     }
 }
 
-/* One Llama decoder layer (pre-norm attention, gated SiLU MLP, no biases) for the T
+/* One Llama decoder layer (pre-norm attention, gated SiLU MLP, no output biases) for the T
  * tokens of a decode or verification step, every one of them attended through its
  * own list of KV slots; in place on x [T, Hd]. It makes the kernel calls of the
  * model's layer-by-layer forward (engine/models/llama.py) in the same order, so its
@@ -662,10 +662,13 @@ void rope_f32(const float *x, int64_t x_stride, const float *cos, const float *s
  * attn_in: NULL for a decoder layer (the attention reads rms_norm(x) * ln1, In = Hd), or
  * the attention's input [T, In] given whole (an EAGLE head: its normed embeddings and
  * features side by side, In = 2 Hd, while x, the residual, is the features; ln1 unused).
+ * b_qkv [(H + 2 KVH) D] (Qwen2's biases) is added to the qkv product, and q_norm, k_norm [D]
+ * (Qwen3's) rms-normalize each query and key head before rope; NULL where the model has none.
  * scratch: at least T * (2 Hd + (2 H + 3 KVH) D + H D + 3 I) floats. */
 void decoder_layer_f32(float *x, const float *attn_in, int64_t In, int64_t T, int64_t Hd, int64_t H, int64_t KVH,
                        int64_t D, int64_t I, float eps, float scale, const float *ln1, const float *w_qkv,
-                       const float *w_o, const float *ln2, const float *w_gu, const float *w_down, float *k_cache,
+                       const float *w_o, const float *ln2, const float *w_gu, const float *w_down,
+                       const float *b_qkv, const float *q_norm, const float *k_norm, float *k_cache,
                        float *v_cache, const float *cos, const float *sin, const int64_t *slot_mapping,
                        const int64_t *rows, const int64_t *start, const int64_t *len, const int64_t *slots,
                        float *scratch, int num_threads) {
@@ -682,6 +685,12 @@ void decoder_layer_f32(float *x, const float *attn_in, int64_t In, int64_t T, in
         attn_in = h, In = Hd;
     }
     gemv_f32(attn_in, w_qkv, qkv, T, QKV, In, num_threads);
+    for (int64_t t = 0; b_qkv != NULL && t < T; t++)
+        for (int64_t i = 0; i < QKV; i++) qkv[t * QKV + i] += b_qkv[i];
+    for (int64_t t = 0; q_norm != NULL && t < T; t++) { /* in place: each row is read before it is written */
+        rms_norm_f32(qkv + t * QKV, q_norm, qkv + t * QKV, H, D, eps, 1);
+        rms_norm_f32(qkv + t * QKV + H * D, k_norm, qkv + t * QKV + H * D, KVH, D, eps, 1);
+    }
     rope_f32(qkv, QKV, cos, sin, qk, T, H + KVH, D);
     for (int64_t t = 0; t < T; t++) {
         memcpy(k_cache + slot_mapping[t] * KVH * D, qk + t * QK + H * D, sizeof(float) * KVH * D);
