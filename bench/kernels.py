@@ -14,7 +14,6 @@ Writes bench/results/kernels.md and kernels.png.
 """
 
 import argparse
-import shutil
 import time
 
 import torch
@@ -76,7 +75,7 @@ def main() -> None:
         avx512 = cpu_kernels.compile_flags() != cpu_kernels.FLAGS
         kernels["C kernel, AVX-512" if avx512 else "C kernel, AVX2"] = layer_stack("gemv")
         if avx512:
-            avx2 = cpu_kernels.build(shutil.which("cc") or shutil.which("gcc"), cpu_kernels.FLAGS)
+            avx2 = cpu_kernels.build(cpu_kernels.compiler(), cpu_kernels.FLAGS)
             kernels["C kernel, AVX2"] = layer_stack("gemv", avx2)
     best = {(k, r): float("inf") for k in kernels for r in ROWS}
     for _ in range(args.repeats):

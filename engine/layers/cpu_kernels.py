@@ -26,8 +26,8 @@ for the row counts where it is faster.
 here (a chain of small kernels, each handing off to the thread pool): 61 calls
 a step made it ~4 ms of a ~45 ms decode step.
 
-The C source (``csrc/cpu_kernels.c``) is compiled once per machine and flag set with the
-system's C compiler into ``$XDG_CACHE_HOME/specserve/kernels`` (``~/.cache`` by default) and
+The C sources (``csrc/``) are compiled once per machine and flag set with the
+system's C compiler (``compile_library``, which other kernel files can use for their own library) into ``$XDG_CACHE_HOME/specserve/kernels`` (``~/.cache`` by default) and
 loaded with ctypes, which releases the GIL during the call. Without a compiler, AVX2 or
 FMA, or with ``SPECSERVE_CPU_KERNELS=0``, ``load()`` returns None and the
 torch ops do everything; ``SPECSERVE_CPU_AVX512=0`` keeps the AVX2 build on an AVX-512 CPU.
@@ -49,7 +49,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("cpu_kernels.c", "matmul.c", "attention.c")  # in CSRC, with its headers
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 AVX512 = ("-mavx512f",)  # added where the CPU has it, unless SPECSERVE_CPU_AVX512=0
 
@@ -75,22 +76,32 @@ def compile_flags() -> tuple[str, ...]:
     return FLAGS
 
 
+def compiler() -> str | None:
+    """The system's C compiler, or None."""
+    return shutil.which("cc") or shutil.which("gcc")
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(root) / "specserve" / "kernels"
 
 
-def _build(compiler: str, flags: tuple[str, ...]) -> Path:
-    """Compile ``SOURCE`` unless a library of the same source and flags exists; returns its path."""
-    text = SOURCE.read_bytes()
-    key = hashlib.sha256(text + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_kernels-{key}.so"
+def compile_library(name: str, sources: list[Path], compiler: str, flags: tuple[str, ...]) -> Path:
+    """The shared library ``name`` built from C ``sources`` (with the headers beside them) by
+    ``compiler`` with ``flags``: compiled once into the cache directory, keyed by a hash of the
+    sources, the headers, the compiler and the flags; returns its path."""
+    digest = hashlib.sha256(" ".join((compiler, *flags)).encode())
+    headers = sorted({h for s in sources for h in s.parent.glob("*.h")})
+    for path in [*sources, *headers]:
+        digest.update(path.name.encode() + path.read_bytes())
+    out = _cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # concurrent builders: atomic rename
         lib = Path(tmp) / out.name
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(lib)], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *flags, *map(str, sources), "-o", str(lib)], check=True, capture_output=True,
+                       timeout=300)
         lib.replace(out)
     return out
 
@@ -100,12 +111,12 @@ def load():
     """The compiled library, or None where the kernels cannot be used."""
     if os.environ.get("SPECSERVE_CPU_KERNELS", "1") == "0" or not _cpu_supports():
         return None
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         log.info("no C compiler: the CPU kernels are off, torch ops do everything")
         return None
     try:
-        return build(compiler, compile_flags())
+        return build(cc, compile_flags())
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("could not build the CPU kernels (%s): torch ops do everything", e)
         return None
@@ -113,7 +124,7 @@ def load():
 
 def build(compiler: str, flags: tuple[str, ...]):
     """The library compiled with ``flags`` (cached on disk), its functions typed."""
-    lib = ctypes.CDLL(str(_build(compiler, flags)))
+    lib = ctypes.CDLL(str(compile_library("cpu_kernels", [CSRC / f for f in SOURCES], compiler, flags)))
     lib.gemv_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.weight_panel.argtypes = ()
     lib.weight_panel.restype = ctypes.c_int

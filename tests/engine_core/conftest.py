@@ -1,7 +1,5 @@
 """Fixtures of the engine-core tests."""
 
-import shutil
-
 import pytest
 
 from engine.layers import cpu_kernels
@@ -14,6 +12,6 @@ AVX512_BUILD = cpu_kernels.load() is not None and cpu_kernels.compile_flags() !=
 def kernel_build(request, monkeypatch):
     """The kernels of this CPU's build, and the AVX2-only build where this CPU has AVX-512."""
     if request.param == "avx2":
-        lib = cpu_kernels.build(shutil.which("cc") or shutil.which("gcc"), cpu_kernels.FLAGS)
+        lib = cpu_kernels.build(cpu_kernels.compiler(), cpu_kernels.FLAGS)
         monkeypatch.setattr(cpu_kernels, "load", lambda: lib)
     return request.param

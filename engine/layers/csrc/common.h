@@ -1,0 +1,64 @@
+/* What the CPU kernels' C files share (built into one library by
+ * engine/layers/cpu_kernels.py): the vector helpers, and the kernels one file calls in another. */
+#ifndef SPECSERVE_COMMON_H
+#define SPECSERVE_COMMON_H
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* exp(x) of a vector of floats (Cephes' expf: x = n ln2 + r, e^r by a degree-6 polynomial,
+ * 2^n through the exponent bits); relative error below 2e-7, x clamped to [-87, 88].
+ * One definition for both widths: exp256 (8 floats) and, with AVX-512, exp512 (16). */
+#define DEFINE_EXP(name, V, VI, P, BITS, ROUND)                                                  \
+    static inline V name(V x) {                                                                  \
+        x = P##_min_ps(P##_max_ps(x, P##_set1_ps(-87.0f)), P##_set1_ps(88.0f));                  \
+        V n = ROUND(P##_mul_ps(x, P##_set1_ps(1.44269504088896341f)),                            \
+                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                              \
+        V r = P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), x);                                    \
+        r = P##_fnmadd_ps(n, P##_set1_ps(-2.12194440e-4f), r);                                   \
+        V p = P##_set1_ps(1.9875691500e-4f);                                                     \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(1.3981999507e-3f));                                   \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(8.3334519073e-3f));                                   \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(4.1665795894e-2f));                                   \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(1.6666665459e-1f));                                   \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(5.0000001201e-1f));                                   \
+        p = P##_fmadd_ps(p, P##_mul_ps(r, r), P##_add_ps(r, P##_set1_ps(1.0f)));                 \
+        VI e = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23);       \
+        return P##_mul_ps(p, P##_castsi##BITS##_ps(e));                                          \
+    }
+DEFINE_EXP(exp256, __m256, __m256i, _mm256, 256, _mm256_round_ps)
+#ifdef __AVX512F__
+DEFINE_EXP(exp512, __m512, __m512i, _mm512, 512, _mm512_roundscale_ps)
+#endif
+
+static inline float exp1(float x) { /* the same function on one float: vector lane 0 */
+    return _mm_cvtss_f32(_mm256_castps256_ps128(exp256(_mm256_set1_ps(x))));
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    float s = hsum(_mm256_add_ps(s0, s1));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+void gemv_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K, int num_threads);
+void rms_norm_f32(const float *x, const float *w, float *y, int64_t T, int64_t H, float eps, int num_threads);
+void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                         const int64_t *rows, const int64_t *start, const int64_t *len, const int64_t *slots,
+                         float *out, int64_t n, int64_t H, int64_t KVH, int64_t D, float scale, int num_threads);
+#endif
