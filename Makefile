@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # The CPU build of torch lies on this machine's disk; GPU nodes take the CUDA build from PyPI.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup serve test test-slow test-integration test-all bench clean-venv tools
+.PHONY: setup serve test test-slow test-integration test-all bench docs clean-venv tools
 
 setup: $(VENV)/.installed model
 
@@ -47,8 +47,13 @@ test-integration: setup
 test-all: setup
 	$(RUN) -m pytest -q -m 'slow or not slow' $(ARGS)
 
+# `make bench` lists the benchmarks; `make bench ARGS="NAME [FLAGS]"` runs one.
 bench: setup
-	$(RUN) -m bench.plain $(ARGS)
+	$(RUN) -m bench $(ARGS)
+
+# The docs site (mkdocs, material theme) into site/, warnings as errors.
+docs: setup
+	$(PY) -m mkdocs build --strict --site-dir site
 
 clean-venv:
 	rm -rf $(VENV)
