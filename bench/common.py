@@ -3,6 +3,9 @@
 import json
 import os
 import platform
+import shlex
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -100,8 +103,49 @@ def run_at_once(fn, items: list) -> tuple[list, float]:
     return results, time.perf_counter() - t
 
 
+def _cpuinfo(field: str) -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(field)), "")
+
+
 def machine() -> str:
-    return f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    """The CPU model, its widest vector ISA, the C kernel build the engine runs, cores and threads."""
+    flags = set(_cpuinfo("flags").split())
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    if os.environ.get("SPECSERVE_CPU_KERNELS", "1") == "0" or "avx2" not in flags:
+        build = "C kernels off"
+    elif isa == "AVX-512" and os.environ.get("SPECSERVE_CPU_AVX512", "1") != "0":
+        build = "AVX-512 kernels"
+    else:
+        build = "AVX2 kernels"
+    cpu = _cpuinfo("model name") or platform.processor() or platform.machine()
+    return (f"{cpu} ({isa}; {build}), {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads")
+
+
+def commit() -> str:
+    """The checkout's commit, marked when the working tree has uncommitted changes."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+
+    try:
+        sha = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    return f"{sha} with uncommitted changes" if dirty else sha or "unknown"
+
+
+def invocation(name: str, fallback: str) -> str:
+    """The command this process runs, as ``python -m bench NAME ARGS``, when it runs the
+    benchmark ``name`` as a script; else ``fallback`` (a benchmark called from Python)."""
+    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if script is None or script.resolve() != (ROOT / "bench" / f"{name}.py").resolve():
+        return fallback
+    return " ".join(["python -m bench", name, *map(shlex.quote, sys.argv[1:])])
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
@@ -112,10 +156,18 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 
 
 def write_report(name: str, title: str, body: str, command: str) -> Path:
+    """Overwrites ``bench/results/<name>.md``, stamped with the machine, the commit, the exact
+    command and the time, and rewrites docs/benchmarks.md from the results."""
+    from bench.catalog import write_page
+
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.md"
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    path.write_text(f"# {title}\n\n{stamp}; {machine()}\n\nCommand: `{command}`\n\n{body}\n")
+    path.write_text(
+        f"# {title}\n\n- Machine: {machine()}\n- Commit: {commit()}\n"
+        f"- Command: `{invocation(name, command)}`\n- Run: {stamp}\n\n{body}\n"
+    )
+    write_page()
     return path
 
 

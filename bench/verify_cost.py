@@ -1,5 +1,5 @@
-"""The cost of a verification pass by tokens per request, relative to a plain decode step,
-on the engine's own model and paged attention, with random weights (speed does not
+"""The cost of a verification pass by tokens per request, relative to a plain decode step.
+On the engine's own model and paged attention, with random weights (speed does not
 depend on their values).
 
     python -m bench.verify_cost            # CUDA, bfloat16, Llama-3-8B shapes (~17 GB of weights)
