@@ -9,11 +9,8 @@ an OpenMP thread the whole region waits for it. Intel's OpenMP (libiomp5, the
 PyTorch's GNU OpenMP calls as well. vLLM's CPU build asks its users to preload
 it by hand (``LD_PRELOAD``); here the command line does it: ``ensure()`` re-runs
 the current command once with the library preloaded, before anything has
-imported torch.
-
-Measured through the HTTP API on a 2-core machine (issue 11): 11.9-13.2 tok/s
-with GNU OpenMP, 16.4-19.1 with Intel's; offline, in two back-to-back runs under ``chrt``,
-16.6 against 20.2 (README, Benchmarks, has today's figures beside vLLM's).
+imported torch. On a 2-core machine that is worth about a third more tokens/s through
+the HTTP API.
 
 ``SPECSERVE_OPENMP=gnu`` keeps GNU OpenMP (the re-run is skipped); it is also
 skipped where the library is missing (the wheel exists for x86-64 Linux only)
