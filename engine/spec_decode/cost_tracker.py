@@ -15,40 +15,27 @@ row above by the whole drift::
     d = alpha (clip(seconds / predicted, 1/2, 2) - 1)
     s_i *= 1 + (1 - w) d                     s_j *= 1 + d   for every j > i
 
-Rows beyond the observed ones are predicted to drift as the observed row did,
-so the table keeps its timed shape above the rows the steps reach. Without
-that, the largest plain batch (64 requests) pulled its entry up to the one
-above it, which no plain step ever reaches, and drafts at that batch looked
-free (measured: 5,816 drafts, 15% accepted, 0.74x of plain in one 64-request
-wave); and at batch 1, where every plain step lands on row 1 itself, the rows
-above kept their start-up seconds while row 1 drifted to the serving steps'
-time, so the relative costs of 2-5 rows fell to 1.00-1.03 (see the fixed cost
-below). The policy's relative table is ``s / s_0``, made
-non-decreasing. One slow step moves an entry by at most ``alpha`` (5%).
-Observations come only from steps already run: the plan of a step never
-depends on its own drafts.
+Rows beyond the observed ones drift as the observed row did, so the table keeps
+its timed shape above the rows the steps reach: otherwise the largest observed
+batch would pull its entry up to the unobserved one above, and drafts there
+would look free. The policy's relative table is ``s / s_0``, made non-decreasing.
+One slow step moves an entry by at most ``alpha`` (5%). Observations come only
+from steps already run: the plan of a step never depends on its own drafts.
 
-Every observation also pulls the relative costs back towards the start-up
-ones by ``REVERT`` (0.2%: a half-life of ~350 steps without other news). The
-rows above 1 are observed only while the policy drafts, and it drafts less
-where they look dear, so an entry that noise pushed up would otherwise stay up:
-in serving EAGLE at batch 1, 2 rows settled at 1.12-1.26 of one while the
-steps of 2 rows took 1.01-1.08 of the 1-row ones, and the head paused.
+Every observation also pulls the relative costs back towards the start-up ones
+by ``REVERT`` (0.2%: a half-life of ~350 steps without other news). The rows
+above 1 are observed only while the policy drafts, and it drafts less where they
+look dear, so an entry that noise pushed up would otherwise stay up for good.
 
 Every decode step moves the table, verifying ones included: at batch 1 they are
-the only steps that reach the rows above 1, whose start-up times vary by
-+-10% from one start to the next on the bench machine (2 rows: 1.00-1.13 of
-one). A verifying step also runs the verification rule (``ModelRunner``
-times it: ``RunnerOutput.verify_s``); the table takes the step's time without
-it, and the rule's time is averaged (same ``alpha``) into ``verify_fixed``,
-the fixed cost of a verifying pass, which the first request to draft in a step
-bears (``SpecPolicy._verify_costs``): 0.16 ms for a batch-1 greedy chain on the
-bench machine, more where requests sample. It used to be inferred as what
-verifying steps took beyond a table that only plain steps moved, floored at 0
-step by step; with the rows above 1 left at their start-up seconds, that read
-0.19-0.28 of a one-token pass at batch 1, and the policy refused every
-draft of a 1- or 2-token suffix match on copy-heavy prompts (first draft
-accepted ~20% of the time, at ~0.05-0.1 of a step).
+the only steps that reach the rows above 1, whose start-up times are noisy. A
+verifying step also runs the verification rule (``ModelRunner`` times it:
+``RunnerOutput.verify_s``); the table takes the step's time without it, and the
+rule's time is averaged (same ``alpha``) into ``verify_fixed``, the fixed cost of
+a verifying pass, which the first request to draft in a step bears
+(``SpecPolicy._verify_costs``). Timing the rule itself, rather than inferring it
+as what verifying steps took beyond the table, keeps table drift from being read
+as a verification cost that refuses cheap drafts.
 """
 
 import bisect
@@ -113,11 +100,8 @@ def measure_step_costs(model, runner, max_rows: int, block_size: int, max_len: i
     cache cannot hold that many), with logits for every row as verification needs, in
     the (still unused) KV cache. A draft then costs what one more request costs: a
     little more than it does (a request's drafts share its keys), where one request of
-    ``R`` new tokens, as this used to time, costs far less than ``R`` requests once
-    their keys no longer fit the caches. At 64 requests that table priced a draft at
-    0.42 of a decode token, the steps' own times at about 0.65 (offline, a `/tmp`
-    trace), and prompt lookup kept drafting there: 0.94x of plain offline and 0.91x in
-    p50 inter-token latency through the server (``bench.load_sweep``). Call before serving.
+    ``R`` new tokens costs far less than ``R`` requests once their keys no longer fit
+    the caches, and would price drafts too cheaply at large batches. Call before serving.
     """
     device = runner.device
     max_rows = max(2, min(max_rows, max_len - 1))
