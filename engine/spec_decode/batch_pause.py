@@ -1,8 +1,8 @@
 """Planning paused by batch size. No torch.
 
 Planning costs a few microseconds of Python per request and step (the
-drafter's context class, a decision): about 2 ms of a 75 ms step at 64
-requests on the bench machine, where drafts seldom pay. So a batch size whose
+drafter's context class, a decision): a few percent of a step at large batch
+sizes, where drafts seldom pay. So a batch size whose
 plans keep granting no drafts stops planning for a while, as a context class
 does: after ``IDLE_PLANS`` such plans in a row at batch sizes of one
 power-of-two bucket (8-15, 16-31, ...), that bucket is not planned for 8, 16,

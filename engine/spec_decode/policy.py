@@ -34,10 +34,8 @@ that verifies anything also costs a fixed ``F`` beyond its rows (the tracked
 table's ``verify_fixed``, in one-token passes): the first request that drafts in
 a step bears it (``F * n / T(n)`` more in its ``V``), the later ones pay their
 rows only. Each decision so pays its own way, and the step's drafts pay as a
-whole. (A check of the step as a whole after the decisions used to veto them
-instead; a vetoed request drafted nothing, so its record never changed, and at
-batch 1 one sat at a first-draft estimate of 0.11, just above paying without
-``F``, just below with it, for 1,775 steps of nine EAGLE answers.)
+whole. (No veto of the step as a whole after the decisions: a vetoed request
+drafts nothing, so its record never changes and it can stay vetoed for good.)
 
 A round emits ``1 + a_1 + ... + a_g`` tokens on average, ``a_i`` being the
 probability that the first ``i`` drafts are all accepted (the survival form of
@@ -51,16 +49,15 @@ and per context class (a 5-token suffix match predicts far better than a
 The policy picks the ``g`` in ``1..k`` with the best tokens per cost. When even
 that is below 1 by the request's own record, the rates pooled over all requests
 of the class (a slower average) have a second say: if drafting pays by them,
-the request drafts as they advise. The request's record, a 0.3-weight average,
+the request drafts as they advise: the request's record, a 0.3-weight average,
 wanders far from a steady rate (at a first-draft acceptance of 0.4, four misses
-in a row take it to 0.1, below paying), and a pause is long to undo; on nine
-EAGLE answers the head paused in 954 of 2,367 steps without that second say.
-When neither pays, that class of the request stops drafting for a while, then
+in a row take it to 0.1, below paying), and a pause is long to undo. When
+neither pays, that class of the request stops drafting for a while, then
 retries with a probe round. A request new to a class starts with the pause
 length the class has over all requests (doubled by each probe that missed,
 halved by each round that accepted), so that under steady load a drafter that
 does not pay, such as early exit on chat, is not probed again by every new
-request (it was: 0.93x of plain at 4 requests in flight).
+request.
 
 Planning itself pauses at batch sizes whose plans keep granting nothing
 (``engine.spec_decode.batch_pause``).
