@@ -83,9 +83,9 @@ def engine_idle(url: str, timeout: float = 60.0) -> tuple[bool, dict]:
     while True:
         s = scrape(url)
         seen = {
-            "running": metric(s, "specserve_num_requests_running"),
-            "waiting": metric(s, "specserve_num_requests_waiting"),
-            "kv_usage": metric(s, "specserve_kv_cache_usage_perc"),
+            "running": metric(s, "vllm:num_requests_running"),
+            "waiting": metric(s, "vllm:num_requests_waiting"),
+            "kv_usage": metric(s, "vllm:kv_cache_usage_perc"),
         }
         if not any(seen.values()) or time.monotonic() > deadline:
             return not any(seen.values()), seen

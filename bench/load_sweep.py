@@ -76,8 +76,8 @@ async def wave(url: str, requests: list[tuple[str, int]], concurrency: int) -> d
 def drafts_so_far(url: str) -> tuple[float, float]:
     """(draft tokens, accepted tokens) the server has verified since it started (/metrics)."""
     s = scrape(url)
-    return (metric(s, "specserve_spec_decode_num_draft_tokens_total"),
-            metric(s, "specserve_spec_decode_num_accepted_tokens_total"))
+    return (metric(s, "vllm:spec_decode_num_draft_tokens_total"),
+            metric(s, "vllm:spec_decode_num_accepted_tokens_total"))
 
 
 def summarize(waves: list[dict]) -> dict:

@@ -62,9 +62,9 @@ def categories(n: int, n_mt: int) -> dict[str, list[str]]:
 
 
 SPEC_COUNTERS = {
-    "drafts": "specserve_spec_decode_num_drafts_total",
-    "draft_tokens": "specserve_spec_decode_num_draft_tokens_total",
-    "accepted": "specserve_spec_decode_num_accepted_tokens_total",
+    "drafts": "vllm:spec_decode_num_drafts_total",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "accepted": "vllm:spec_decode_num_accepted_tokens_total",
     "steps": "specserve_decode_step_time_seconds_count",
     "step_s": "specserve_decode_step_time_seconds_sum",
     "draft_s": "specserve_spec_decode_draft_time_seconds_sum",
@@ -76,7 +76,7 @@ def snapshot(url: str, k: int) -> dict:
     samples = scrape(url)
     snap = {key: metric(samples, name) for key, name in SPEC_COUNTERS.items()}
     snap["per_pos"] = [
-        metric(samples, "specserve_spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(k)
+        metric(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(k)
     ]
     return snap
 

@@ -17,6 +17,11 @@ aggregates across replicas::
     draft share of output    accepted draft tokens / generation tokens
     prefix cache hit rate    prefix-cache hit tokens / queried tokens
 
+Most series carry vLLM's names (``vllm:*``, labels ``model_name`` and ``engine``:
+server/metrics.py says why); vLLM's speculative counters have no ``method``
+label, so the speculation panels join it from ``specserve_speculative_config_info``
+(``by_method``) to follow the ``$method`` variable.
+
 Time-series panels use ``rate(...[$__rate_interval])``; the summary stats at the
 top use ``increase(...[$__range])`` over the whole time range shown.
 """
@@ -37,13 +42,16 @@ BY_SPEC = "model_name, method"
 RATE = "$__rate_interval"
 RANGE = "$__range"
 
-ACCEPTED = "specserve_spec_decode_num_accepted_tokens_total"
-DRAFTED = "specserve_spec_decode_num_draft_tokens_total"
-DRAFTS = "specserve_spec_decode_num_drafts_total"
-PER_POS = "specserve_spec_decode_num_accepted_tokens_per_pos_total"
-GENERATED = "specserve_generation_tokens_total"
-PREFIX_HITS = "specserve_prefix_cache_hits_total"
-PREFIX_QUERIES = "specserve_prefix_cache_queries_total"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+DRAFTED = "vllm:spec_decode_num_draft_tokens_total"
+DRAFTS = "vllm:spec_decode_num_drafts_total"
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+SPEC_INFO = "specserve_speculative_config_info"
+GENERATED = "vllm:generation_tokens_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+# One replica's series: the scrape's target labels plus vLLM's own.
+SAME_ENGINE = "job, instance, model_name, engine"
 
 
 # -- PromQL --------------------------------------------------------------------
@@ -54,8 +62,19 @@ def agg(metric: str, sel: str, by: str, window: str = RATE, fn: str = "rate") ->
     return f"sum by ({by}) ({fn}({metric}{{{sel}}}[{window}]))"
 
 
-def ratio(num: str, den: str, sel: str = SPEC, by: str = BY_SPEC, window: str = RATE, fn: str = "rate") -> str:
+def ratio(num: str, den: str, sel: str = SERVING, by: str = "model_name", window: str = RATE, fn: str = "rate") -> str:
     return f"{agg(num, sel, by, window, fn)} / {agg(den, sel, by, window, fn)}"
+
+
+def by_method(metric: str, by: str = BY_SPEC, window: str = RATE, fn: str = "rate") -> str:
+    """``sum by (by) (fn(metric[window]))`` of a vLLM speculative counter, each replica's
+    series given its ``method`` (and filtered by ``$method``) from the info metric."""
+    joined = f"{fn}({metric}{{{SERVING}}}[{window}]) * on ({SAME_ENGINE}) group_left (method) {SPEC_INFO}{{{SPEC}}}"
+    return f"sum by ({by}) ({joined})"
+
+
+def spec_ratio(num: str, den: str, window: str = RATE, fn: str = "rate") -> str:
+    return f"{by_method(num, window=window, fn=fn)} / {by_method(den, window=window, fn=fn)}"
 
 
 def quantile(q: float, histogram: str, sel: str = SERVING, by: str = "model_name") -> str:
@@ -67,21 +86,21 @@ def mean(histogram: str, sel: str = SERVING, by: str = "model_name") -> str:
 
 
 def acceptance_rate(window: str = RATE, fn: str = "rate") -> str:
-    return ratio(ACCEPTED, DRAFTED, window=window, fn=fn)
+    return spec_ratio(ACCEPTED, DRAFTED, window, fn)
 
 
 def acceptance_length(window: str = RATE, fn: str = "rate") -> str:
-    return "1 + " + ratio(ACCEPTED, DRAFTS, window=window, fn=fn)
+    return "1 + " + spec_ratio(ACCEPTED, DRAFTS, window, fn)
 
 
 def draft_share(window: str = RATE, fn: str = "rate") -> str:
-    return f"{agg(ACCEPTED, SPEC, 'model_name', window, fn)} / {agg(GENERATED, SERVING, 'model_name', window, fn)}"
+    return f"{by_method(ACCEPTED, 'model_name', window, fn)} / {agg(GENERATED, SERVING, 'model_name', window, fn)}"
 
 
 def acceptance_by_position(window: str = RATE, fn: str = "rate") -> str:
     return (
-        f"{agg(PER_POS, SPEC, BY_SPEC + ', position', window, fn)}"
-        f" / on ({BY_SPEC}) group_left {agg(DRAFTS, SPEC, BY_SPEC, window, fn)}"
+        f"{by_method(PER_POS, BY_SPEC + ', position', window, fn)}"
+        f" / on ({BY_SPEC}) group_left {by_method(DRAFTS, BY_SPEC, window, fn)}"
     )
 
 
@@ -174,7 +193,7 @@ def speculation_panels() -> list[dict]:
         stat("Acceptance rate", "Accepted draft tokens / drafted tokens over the time range.", acceptance_rate(**rng), SPEC_LEGEND, "percentunit"),
         stat("Mean acceptance length", "Tokens emitted per drafting round (1 + accepted / rounds) over the time range.", acceptance_length(**rng), SPEC_LEGEND),
         stat("Output from drafts", "Accepted draft tokens / all generated tokens over the time range.", draft_share(**rng), "{{model_name}}", "percentunit"),
-        stat("Drafting rounds", "Drafting rounds (one per request per step) over the time range.", agg(DRAFTS, SPEC, BY_SPEC, RANGE, "increase"), SPEC_LEGEND, decimals=0),
+        stat("Drafting rounds", "Drafting rounds (one per request per step) over the time range.", by_method(DRAFTS, window=RANGE, fn="increase"), SPEC_LEGEND, decimals=0),
         stat("Drafter fallbacks", "Drafter failures (the step went on without drafts) over the time range.",
              agg("specserve_spec_decode_fallbacks_total", SPEC, BY_SPEC, RANGE, "increase"), SPEC_LEGEND, decimals=0),
         stat("Paused requests", "Requests whose speculation is paused now.",
@@ -191,9 +210,9 @@ def speculation_panels() -> list[dict]:
         histogram_heatmap("Tokens per round over time", "Drafting rounds per bucket of emitted tokens, over time.",
                           "specserve_spec_decode_tokens_per_round", SPEC),
         timeseries("Draft tokens per second", "Drafted, accepted and rejected (drafted - accepted) draft tokens per second.", [
-            target(agg(DRAFTED, SPEC, BY_SPEC), "drafted " + SPEC_LEGEND),
-            target(agg(ACCEPTED, SPEC, BY_SPEC), "accepted " + SPEC_LEGEND),
-            target(f"{agg(DRAFTED, SPEC, BY_SPEC)} - {agg(ACCEPTED, SPEC, BY_SPEC)}", "rejected " + SPEC_LEGEND),
+            target(by_method(DRAFTED), "drafted " + SPEC_LEGEND),
+            target(by_method(ACCEPTED), "accepted " + SPEC_LEGEND),
+            target(f"{by_method(DRAFTED)} - {by_method(ACCEPTED)}", "rejected " + SPEC_LEGEND),
         ], "suffix: tok/s", min=0),
         timeseries("Output tokens from drafts", "Accepted draft tokens / all generated tokens: the share of the output "
                    "that speculation produced beyond one token per step.", [target(draft_share(), "{{model_name}}")],
@@ -216,37 +235,37 @@ def serving_panels() -> list[dict]:
     return [
         row("Latency"),
         timeseries("Time to first token", "Arrival to first output token.",
-                   percentiles("specserve_time_to_first_token_seconds"), "s", min=0),
+                   percentiles("vllm:time_to_first_token_seconds"), "s", min=0),
         timeseries("Inter-token latency", "Gap between output tokens (a step emitting k tokens counts k gaps of t/k).",
-                   percentiles("specserve_inter_token_latency_seconds"), "s", min=0),
+                   percentiles("vllm:inter_token_latency_seconds"), "s", min=0),
         timeseries("End-to-end request latency", "Arrival to the end of the request.",
-                   percentiles("specserve_e2e_request_latency_seconds"), "s", min=0),
+                   percentiles("vllm:e2e_request_latency_seconds"), "s", min=0),
         timeseries("Queue and prefill time", "Time waiting to be scheduled, and time computing the prompt.",
-                   percentiles("specserve_request_queue_time_seconds", what="queue ")
-                   + percentiles("specserve_request_prefill_time_seconds", what="prefill "), "s", min=0),
+                   percentiles("vllm:request_queue_time_seconds", what="queue ")
+                   + percentiles("vllm:request_prefill_time_seconds", what="prefill "), "s", min=0),
         row("Throughput and load"),
         timeseries("Tokens per second", "Generated and prompt tokens per second.", [
             target(agg(GENERATED, SERVING, "model_name"), "generated {{model_name}}"),
-            target(agg("specserve_prompt_tokens_total", SERVING, "model_name"), "prompt {{model_name}}"),
+            target(agg("vllm:prompt_tokens_total", SERVING, "model_name"), "prompt {{model_name}}"),
         ], "suffix: tok/s", min=0),
         timeseries("Requests per second", "Ended requests by finish reason, refused requests by reason.", [
-            target(agg("specserve_request_finished_total", SERVING, "model_name, finish_reason"), "{{finish_reason}} {{model_name}}"),
+            target(agg("vllm:request_success_total", SERVING, "model_name, finished_reason"), "{{finished_reason}} {{model_name}}"),
             target(agg("specserve_request_rejected_total", SERVING, "model_name, reason"), "rejected: {{reason}} {{model_name}}"),
         ], "reqps", min=0),
         timeseries("Tokens per engine step", "Tokens computed per engine step (prefill chunks, decodes and verified drafts).",
                    [target(mean("specserve_step_tokens"), "mean {{model_name}}")] + percentiles("specserve_step_tokens")[1:], min=0),
         timeseries("Running and waiting requests", "Requests in the running batch and in the queue.", [
-            target(f"sum by (model_name) (specserve_num_requests_running{{{SERVING}}})", "running {{model_name}}"),
-            target(f"sum by (model_name) (specserve_num_requests_waiting{{{SERVING}}})", "waiting {{model_name}}"),
+            target(f"sum by (model_name) (vllm:num_requests_running{{{SERVING}}})", "running {{model_name}}"),
+            target(f"sum by (model_name) (vllm:num_requests_waiting{{{SERVING}}})", "waiting {{model_name}}"),
         ], min=0),
         timeseries("KV cache usage", "Share of KV-cache blocks in use, per replica.",
-                   [target(f"specserve_kv_cache_usage_perc{{{SERVING}}}", "{{model_name}} {{instance}}")], "percentunit", min=0, max=1),
+                   [target(f"vllm:kv_cache_usage_perc{{{SERVING}}}", "{{model_name}} {{instance}}")], "percentunit", min=0, max=1),
         timeseries("Prefix cache hit rate", "Tokens of admitted requests found in the prefix cache / tokens looked up "
                    "(no data with prefix caching off).",
                    [target(ratio(PREFIX_HITS, PREFIX_QUERIES, SERVING, "model_name"), "{{model_name}}")],
                    "percentunit", min=0, max=1),
         timeseries("Preemptions per second", "Requests preempted because the KV cache was full.",
-                   [target(agg("specserve_num_preemptions_total", SERVING, "model_name"), "{{model_name}}")], min=0),
+                   [target(agg("vllm:num_preemptions_total", SERVING, "model_name"), "{{model_name}}")], min=0),
     ]
 
 
@@ -288,8 +307,8 @@ def build_dashboard() -> dict:
         "annotations": {"list": []},
         "links": [],
         "templating": {"list": [
-            variable("model_name", "model", "label_values(specserve_num_requests_running, model_name)"),
-            variable("method", "method", f'label_values({DRAFTS}{{model_name=~"$model_name"}}, method)'),
+            variable("model_name", "model", "label_values(vllm:num_requests_running, model_name)"),
+            variable("method", "method", f'label_values({SPEC_INFO}{{model_name=~"$model_name"}}, method)'),
         ]},
         "panels": layout(speculation_panels() + serving_panels()),
     }

@@ -8,24 +8,29 @@ Two kinds of input:
   step and read when Prometheus scrapes: running and waiting requests, KV-cache
   usage, preemptions so far.
 
-Metrics live in a per-app ``CollectorRegistry`` (tests build several apps), all
-named ``specserve_*`` and labelled with ``model_name``. Only counters,
+Names. A quantity vLLM exports is exported under vLLM's name, type, labels
+(``model_name``, ``engine``) and buckets, always and only there, so that tools
+built around vLLM (``vllm bench serve``, routers, llm-d's endpoint picker, KEDA)
+read specserve unchanged, and each quantity has one name. What vLLM has no name
+for is ``specserve_*``; the speculative method, a label vLLM does not have, is on
+``specserve_speculative_config_info`` for PromQL to join. Metrics live in a
+per-app ``CollectorRegistry`` (tests build several apps). Only counters,
 histograms and instantaneous gauges are exported; rates are PromQL's job::
 
     requests/s by reason
-        sum by (finish_reason) (rate(specserve_request_finished_total[1m]))
+        sum by (finished_reason) (rate(vllm:request_success_total[1m]))
     generation tokens/s
-        rate(specserve_generation_tokens_total[1m])
+        rate(vllm:generation_tokens_total[1m])
     p99 time to first token
-        histogram_quantile(0.99, sum by (le) (rate(specserve_time_to_first_token_seconds_bucket[5m])))
+        histogram_quantile(0.99, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket[5m])))
     mean inter-token gap
-        rate(specserve_inter_token_latency_seconds_sum[1m]) / rate(specserve_inter_token_latency_seconds_count[1m])
-    p50 end-to-end latency
-        histogram_quantile(0.5, sum by (le) (rate(specserve_e2e_request_latency_seconds_bucket[5m])))
-    preemptions/s
-        rate(specserve_num_preemptions_total[5m])
+        rate(vllm:inter_token_latency_seconds_sum[1m]) / rate(vllm:inter_token_latency_seconds_count[1m])
     prefix cache hit rate (share of admitted requests' tokens found cached)
-        sum(rate(specserve_prefix_cache_hits_total[5m])) / sum(rate(specserve_prefix_cache_queries_total[5m]))
+        sum(rate(vllm:prefix_cache_hits_total[5m])) / sum(rate(vllm:prefix_cache_queries_total[5m]))
+    acceptance rate by method
+        sum by (method) (rate(vllm:spec_decode_num_accepted_tokens_total[5m])
+            * on (instance, model_name, engine) group_left (method) specserve_speculative_config_info)
+        / sum by (method) (rate(vllm:spec_decode_num_draft_tokens_total[5m]) * on (...) group_left (method) ...)
 
 Counting rules: a request with n choices counts n times (each choice is an
 engine request and computes its prompt). Generation tokens are counted as they
@@ -52,11 +57,15 @@ from engine.stats import EngineSnapshot
 # The *_created series double the output and carry nothing PromQL needs (vLLM drops them too).
 prometheus_client.disable_created_metrics()
 
+ENGINE = "0"  # vLLM's ``engine`` label: the data-parallel engine index; one engine per server here
 REJECT_REASONS = ("queue_full", "too_many_requests", "shutting_down", "engine_dead")
 FINISH_REASONS = ("stop", "length", "abort", "error")
-TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160, 640)
-ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
-E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 60, 120, 240, 480, 960, 1920, 7680)
+# vLLM's buckets (vllm/v1/metrics/buckets.py), so that histograms sum across vLLM and specserve replicas.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80,
+                160, 640, 2560)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920,
+                           7680)
 
 
 @dataclass
@@ -80,23 +89,21 @@ def _child(kind, reg: CollectorRegistry, name: str, doc: str, labels: dict[str, 
 class _EngineCollector(Collector):
     def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str):
         self._snapshot = snapshot
-        self._model = model_name
+        self._labels = (["model_name", "engine"], [model_name, ENGINE])
 
     def collect(self):
         snap = self._snapshot()
-        label = (["model_name"], [self._model])
+        names, values = self._labels
         for name, doc, value in (
-            ("specserve_num_requests_running", "Requests in the running batch.", snap.num_running),
-            ("specserve_num_requests_waiting", "Requests waiting to be scheduled.", snap.num_waiting),
-            ("specserve_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", snap.kv_cache_usage),
+            ("vllm:num_requests_running", "Requests in the running batch.", snap.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", snap.num_waiting),
+            ("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", snap.kv_cache_usage),
         ):
-            g = GaugeMetricFamily(name, doc, labels=label[0])
-            g.add_metric(label[1], value)
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, value)
             yield g
-        c = CounterMetricFamily(
-            "specserve_num_preemptions", "Requests preempted (KV cache full) since start.", labels=label[0]
-        )
-        c.add_metric(label[1], snap.num_preemptions)
+        c = CounterMetricFamily("vllm:num_preemptions", "Requests preempted (KV cache full) since start.", labels=names)
+        c.add_metric(values, snap.num_preemptions)
         yield c
 
 
@@ -106,37 +113,30 @@ class ServingMetrics:
     def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]):
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        reg, labels = self.registry, ["model_name"]
+        reg, vllm = self.registry, {"model_name": model_name, "engine": ENGINE}
         self._finished = Counter(
-            "specserve_request_finished",
-            "Engine requests ended, by finish reason.",
-            labels + ["finish_reason"],
-            registry=reg,
+            "vllm:request_success", "Engine requests ended, by finish reason.", [*vllm, "finished_reason"], registry=reg
         )
         self._rejected = Counter(
-            "specserve_request_rejected",
-            "Requests refused before reaching the engine.",
-            labels + ["reason"],
+            "specserve_request_rejected", "Requests refused before reaching the engine.", ["model_name", "reason"],
             registry=reg,
         )
         for reason in REJECT_REASONS:  # export zeros from the start, so rates exist before the first event
             self._rejected.labels(model_name, reason)
         for reason in FINISH_REASONS:
-            self._finished.labels(model_name, reason)
-        per_model = {"model_name": model_name}
-        self._prompt = _child(Counter, reg, "specserve_prompt_tokens", "Prompt tokens of ended requests.", per_model)
-        self._generation = _child(Counter, reg, "specserve_generation_tokens", "Generated tokens.", per_model)
+            self._finished.labels(model_name, ENGINE, reason)
+        self._prompt = _child(Counter, reg, "vllm:prompt_tokens", "Prompt tokens of ended requests.", vllm)
+        self._generation = _child(Counter, reg, "vllm:generation_tokens", "Generated tokens.", vllm)
         self._ttft = _child(
-            Histogram, reg, "specserve_time_to_first_token_seconds", "Arrival to first output token.", per_model,
+            Histogram, reg, "vllm:time_to_first_token_seconds", "Arrival to first output token.", vllm,
             buckets=TTFT_BUCKETS,
         )
         self._itl = _child(
-            Histogram, reg, "specserve_inter_token_latency_seconds", "Gap between output tokens.", per_model,
-            buckets=ITL_BUCKETS,
+            Histogram, reg, "vllm:inter_token_latency_seconds", "Gap between output tokens.", vllm, buckets=ITL_BUCKETS
         )
         self._e2e = _child(
-            Histogram, reg, "specserve_e2e_request_latency_seconds", "Arrival to the end of the request.", per_model,
-            buckets=E2E_BUCKETS,
+            Histogram, reg, "vllm:e2e_request_latency_seconds", "Arrival to the end of the request.", vllm,
+            buckets=REQUEST_LATENCY_BUCKETS,
         )
         reg.register(_EngineCollector(snapshot, model_name))
         self.steps: StepMetrics | None = None
@@ -164,7 +164,7 @@ class ServingMetrics:
 
     def on_finished(self, stats: RequestStats, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        self._finished.labels(self.model_name, stats.finish_reason or "abort").inc()
+        self._finished.labels(self.model_name, ENGINE, stats.finish_reason or "abort").inc()
         self._prompt.inc(stats.num_prompt_tokens)
         self._e2e.observe(now - stats.arrival_time)
 
@@ -178,51 +178,38 @@ class ServingMetrics:
 
 STEP_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5)
 STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class StepMetrics:
-    """Engine-step metrics: scheduling, prefix cache and speculative decoding. Labels ``model_name``
-    and ``method``; ``on_step`` runs on the engine thread (prometheus_client is thread-safe)."""
+    """Engine-step metrics: scheduling, prefix cache and speculative decoding. vLLM's
+    names carry ``model_name`` and ``engine``; ours ``model_name`` and ``method``.
+    ``on_step`` runs on the engine thread (prometheus_client is thread-safe)."""
 
     def __init__(self, reg: CollectorRegistry, model_name: str, method: str, max_drafts: int):
         per_model = {"model_name": model_name}
         per_method = {**per_model, "method": method}
-
-        def counter(name, doc):
-            return _child(Counter, reg, f"specserve_spec_decode_{name}", doc, per_method)
+        vllm = {**per_model, "engine": ENGINE}
+        _child(Gauge, reg, "specserve_speculative_config_info",
+               "The speculative method of this engine (1); 'none' without speculation.",
+               {**vllm, "method": method, "num_speculative_tokens": str(max_drafts)}).set(1)
 
         def histogram(name, doc, buckets, labels=per_method):
             return _child(Histogram, reg, name, doc, labels, buckets=buckets)
 
-        self.queue = histogram(
-            "specserve_request_queue_time_seconds", "Arrival to first scheduling.", QUEUE_BUCKETS, per_model
-        )
-        self.prefill = histogram(
-            "specserve_request_prefill_time_seconds", "First scheduling to first token.", QUEUE_BUCKETS, per_model
-        )
+        self.queue = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduling.",
+                               REQUEST_LATENCY_BUCKETS, vllm)
+        self.prefill = histogram("vllm:request_prefill_time_seconds", "First scheduling to first token.",
+                                 REQUEST_LATENCY_BUCKETS, vllm)
         self.step_tokens = histogram(
             "specserve_step_tokens", "Tokens computed per engine step.", STEP_TOKEN_BUCKETS, per_model
         )
         self.prefix_queries = _child(
-            Counter, reg, "specserve_prefix_cache_queries", "Tokens of admitted requests looked up in the prefix cache.",
-            per_model,
+            Counter, reg, "vllm:prefix_cache_queries", "Tokens of admitted requests looked up in the prefix cache.", vllm
         )
         self.prefix_hits = _child(
-            Counter, reg, "specserve_prefix_cache_hits", "Tokens of admitted requests found in the prefix cache.",
-            per_model,
+            Counter, reg, "vllm:prefix_cache_hits", "Tokens of admitted requests found in the prefix cache.", vllm
         )
-        self.drafts = counter("num_drafts", "Drafting rounds verified (requests x steps with drafts).")
-        self.draft_tokens = counter("num_draft_tokens", "Draft tokens verified.")
-        self.accepted = counter("num_accepted_tokens", "Draft tokens accepted.")
-        self.fallbacks = counter("fallbacks", "Steps in which the drafter failed and its requests decoded plainly.")
-        per_pos = Counter(
-            "specserve_spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted at each draft position (0 = first draft).",
-            [*per_method, "position"],
-            registry=reg,
-        )
-        self.per_pos = [per_pos.labels(*per_method.values(), str(i)) for i in range(max_drafts)]
+        self._spec_counters(reg, vllm, per_method, max_drafts)
         rounds = tuple(range(1, max_drafts + 2))
         self.tokens_per_round = histogram(
             "specserve_spec_decode_tokens_per_round", "Tokens emitted by one drafting round (accepted + 1).", rounds
@@ -243,6 +230,23 @@ class StepMetrics:
             Gauge, reg, "specserve_spec_decode_num_paused_requests",
             "Requests whose drafting is paused (drafts did not pay).", per_method,
         )
+
+    def _spec_counters(self, reg, vllm: dict, per_method: dict, max_drafts: int) -> None:
+        def counter(name, doc):
+            return _child(Counter, reg, f"vllm:spec_decode_{name}", doc, vllm)
+
+        self.drafts = counter("num_drafts", "Drafting rounds verified (requests x steps with drafts).")
+        self.draft_tokens = counter("num_draft_tokens", "Draft tokens verified.")
+        self.accepted = counter("num_accepted_tokens", "Draft tokens accepted.")
+        self.fallbacks = _child(Counter, reg, "specserve_spec_decode_fallbacks",
+                                "Steps in which the drafter failed and its requests decoded plainly.", per_method)
+        per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0 = first draft).",
+            [*vllm, "position"],
+            registry=reg,
+        )
+        self.per_pos = [per_pos.labels(*vllm.values(), str(i)) for i in range(max_drafts)]
 
     def on_step(self, stats) -> None:
         self.step_tokens.observe(stats.num_scheduled_tokens)

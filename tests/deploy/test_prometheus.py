@@ -9,22 +9,10 @@ import pytest
 import yaml
 
 from deploy import dashboard as gen
-from deploy.promql_names import dashboard_exprs
 from tests.deploy.conftest import DEPLOY
-
-# Grafana's variables, as Grafana would fill them in.
-GRAFANA_VARS = {"$__rate_interval": "5m", "$__range": "10m", "$model_name": ".*", "$method": ".*"}
-
-
-def as_promql(expr: str) -> str:
-    for var, value in GRAFANA_VARS.items():
-        expr = expr.replace(var, value)
-    assert "$" not in expr, f"unknown Grafana variable in {expr}"
-    return expr
-
-
-def run(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(args, capture_output=True, text=True, timeout=60)
+from tests.deploy.promql import (
+    as_promql, dashboard_exprs, exposition, input_series, promtool_test, returns_data, run,
+)
 
 
 def test_config_passes_promtool(promtool):
@@ -56,6 +44,33 @@ def test_every_dashboard_query_parses(promtool, dashboard, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_every_dashboard_query_returns_data_from_the_servers_own_series(promtool, dashboard, tmp_path):
+    """Evaluated by Prometheus over exactly the series /metrics exports (one model, one
+    method selected): a name the server does not export, or a filter on a label its
+    series lack, leaves an expression empty."""
+    r = promtool_test(promtool, tmp_path, input_series(exposition()), returns_data(
+        [as_promql(e) for e in dashboard_exprs(dashboard)]))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("bad", [
+    'sum(rate(vllm:spec_decode_num_drafts{model_name=~"m"}[5m]))',  # no _total
+    'sum(rate(vllm:spec_decode_num_drafts_total{model_name=~"m", method=~"ngram"}[5m]))',  # vLLM has no method label
+    'sum(rate(specserve_generation_tokens_total{model_name=~"m"}[5m]))',  # the name vLLM's replaced
+])
+def test_the_data_check_catches_a_wrong_name_or_label(promtool, tmp_path, bad):
+    assert promtool_test(promtool, tmp_path, input_series(exposition()), returns_data([bad])).returncode != 0
+
+
+def test_the_exposition_passes_promtools_lint_but_for_vllms_colons(promtool):
+    """`promtool check metrics` (naming, units, types): its only complaint is the colon
+    in vLLM's own names, which vLLM's servers draw as well."""
+    r = subprocess.run([promtool, "check", "metrics"], input=exposition(), capture_output=True, text=True, timeout=60)
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    assert lines, "the lint should at least see the colons"
+    assert all(line.startswith("vllm:") and line.endswith("metric names should not contain ':'") for line in lines), lines
+
+
 def counter(name: str, labels: dict, per_minute: float) -> dict:
     selector = name + "{" + ", ".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
     return {"series": selector, "values": f"0+{per_minute}x10"}
@@ -63,15 +78,28 @@ def counter(name: str, labels: dict, per_minute: float) -> dict:
 
 NGRAM = {"model_name": "m", "method": "ngram"}
 DRAFT = {"model_name": "m2", "method": "draft_model"}
+
+
+def vllm(labels: dict, **more) -> dict:
+    """vLLM's labels of the replica that ``labels`` (model_name, method) describe."""
+    return {"model_name": labels["model_name"], "engine": "0", **more}
+
+
+def info(labels: dict) -> dict:
+    return {"series": gen.SPEC_INFO + "{" + ", ".join(f'{k}="{v}"' for k, v in vllm(labels, method=labels["method"]).items()) + "}",
+            "values": "1+0x10"}
+
 # Per minute. ngram (k=3): 10 rounds, 30 drafted, 18 accepted (8, 6, 4 by position),
 # so 10 * (1 + 1.8) = 28 generated tokens; draft_model: 5 rounds, 15 drafted, 5 accepted (3, 1, 1).
 SERIES = [
-    counter(gen.DRAFTS, NGRAM, 10), counter(gen.DRAFTED, NGRAM, 30), counter(gen.ACCEPTED, NGRAM, 18),
-    *(counter(gen.PER_POS, {**NGRAM, "position": str(i)}, n) for i, n in enumerate((8, 6, 4))),
-    counter(gen.GENERATED, {"model_name": "m"}, 28),
-    counter(gen.DRAFTS, DRAFT, 5), counter(gen.DRAFTED, DRAFT, 15), counter(gen.ACCEPTED, DRAFT, 5),
-    *(counter(gen.PER_POS, {**DRAFT, "position": str(i)}, n) for i, n in enumerate((3, 1, 1))),
-    counter(gen.GENERATED, {"model_name": "m2"}, 10),
+    info(NGRAM), counter(gen.DRAFTS, vllm(NGRAM), 10), counter(gen.DRAFTED, vllm(NGRAM), 30),
+    counter(gen.ACCEPTED, vllm(NGRAM), 18),
+    *(counter(gen.PER_POS, vllm(NGRAM, position=str(i)), n) for i, n in enumerate((8, 6, 4))),
+    counter(gen.GENERATED, vllm(NGRAM), 28),
+    info(DRAFT), counter(gen.DRAFTS, vllm(DRAFT), 5), counter(gen.DRAFTED, vllm(DRAFT), 15),
+    counter(gen.ACCEPTED, vllm(DRAFT), 5),
+    *(counter(gen.PER_POS, vllm(DRAFT, position=str(i)), n) for i, n in enumerate((3, 1, 1))),
+    counter(gen.GENERATED, vllm(DRAFT), 10),
 ]
 
 
@@ -95,7 +123,7 @@ EXPECTED = [
         s for i, (a, b) in enumerate(((0.8, 0.6), (0.6, 0.2), (0.4, 0.2)))
         for s in samples({json.dumps({**NGRAM, "position": str(i)}): a, json.dumps({**DRAFT, "position": str(i)}): b})
     ]),
-    (f"{gen.agg(gen.DRAFTED, gen.SPEC, gen.BY_SPEC)} - {gen.agg(gen.ACCEPTED, gen.SPEC, gen.BY_SPEC)}", spec(12 / 60, 10 / 60)),
+    (f"{gen.by_method(gen.DRAFTED)} - {gen.by_method(gen.ACCEPTED)}", spec(12 / 60, 10 / 60)),
 ]
 
 
@@ -106,15 +134,11 @@ def test_dashboard_formulas_compute_what_they_claim(promtool, dashboard, tmp_pat
         assert expr in on_dashboard, f"not on the dashboard: {expr}"
     # promtool compares floats exactly: both sides are rounded to 1e-3 (as x / 1000 in both languages).
     tests = [
-        {"expr": f"round({as_promql(expr)}, 0.001)", "eval_time": "10m",
+        {"expr": f"round({as_promql(expr, model_name='.*', method='.*')}, 0.001)", "eval_time": "10m",
          "exp_samples": [dict(s, value=round(s["value"] * 1000) / 1000) for s in exp]}
         for expr, exp in EXPECTED
     ]
-    path = tmp_path / "test.yml"
-    path.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [
-        {"interval": "1m", "input_series": SERIES, "promql_expr_test": tests}
-    ]}))
-    r = run([promtool, "test", "rules", str(path)])
+    r = promtool_test(promtool, tmp_path, SERIES, tests)
     assert r.returncode == 0, r.stdout + r.stderr
 
 

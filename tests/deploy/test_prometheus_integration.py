@@ -18,7 +18,7 @@ import yaml
 from bench.server_procs import free_port, stop
 from deploy.dashboard import ACCEPTED, DRAFTED, DRAFTS, acceptance_length, acceptance_rate
 from tests.deploy.conftest import TOOLS_MISSING, tool
-from tests.deploy.test_prometheus import as_promql
+from tests.deploy.promql import as_promql
 from tests.server.conftest import MODEL, llm_engine, wait_idle  # noqa: F401  (llm_engine: a fixture spec_engine uses)
 from tests.server.test_spec_metrics import COPY_PROMPT, scrape, server, spec_engine  # noqa: F401  (fixtures)
 
@@ -119,11 +119,11 @@ def wait_for_scrape(prom: Prometheus, expected: dict[str, float]) -> None:
     deadline = time.monotonic() + SCRAPE_WAIT_S
     while (seen := {name: scalar(prom, f"sum({name})") for name in expected}) != expected:
         if time.monotonic() > deadline:
-            stored = sorted({s["metric"]["__name__"] for s in prom.query('{__name__=~"specserve_spec.*"}')})
+            stored = sorted({s["metric"]["__name__"] for s in prom.query('{__name__=~"vllm:spec.*"}')})
             targets = [(t["health"], t["lastError"]) for t in prom.get("/api/v1/targets")["activeTargets"]]
             pytest.fail(
                 f"no scrape with the server's counters after {SCRAPE_WAIT_S} s: Prometheus has {seen}, "
-                f"/metrics {expected}; stored specserve_spec* names {stored}; targets {targets}"
+                f"/metrics {expected}; stored vllm:spec* names {stored}; targets {targets}"
             )
         time.sleep(0.2)
 
@@ -148,8 +148,8 @@ def test_promql_acceptance_rate_equals_the_servers_counters(server, spec_engine,
         f"sum({ACCEPTED}) / sum({DRAFTED})": rate,
         f"1 + sum({ACCEPTED}) / sum({DRAFTS})": length,
         # the dashboard's own builders, with last_over_time for the rate or increase of its panels
-        as_promql(acceptance_rate(window="1m", fn="last_over_time")): rate,
-        as_promql(acceptance_length(window="1m", fn="last_over_time")): length,
+        as_promql(acceptance_rate(window="1m", fn="last_over_time"), model_name=MODEL): rate,
+        as_promql(acceptance_length(window="1m", fn="last_over_time"), model_name=MODEL): length,
     }
     print(f"\ncounters: drafted {drafted:g}, accepted {accepted:g}, rounds {drafts:g}")
     for promql, want in expected.items():

@@ -208,7 +208,7 @@ def test_concurrent_aborts_of_the_same_request(live, http, rel_engine):
     serving = live.serving
     body = {"prompt": "Count to one thousand:", "max_tokens": 900, "ignore_eos": True, "stream": True}
     before = serving.metrics.registry.get_sample_value(
-        "specserve_request_finished_total", {"model_name": serving.model_names[0], "finish_reason": "abort"}
+        "vllm:request_success_total", {"model_name": serving.model_names[0], "engine": "0", "finished_reason": "abort"}
     )
     with live.http(timeout=30) as client, client.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()
@@ -230,6 +230,6 @@ def test_concurrent_aborts_of_the_same_request(live, http, rel_engine):
     assert rest[-1] == "data: [DONE]"
     wait_idle(rel_engine, timeout=10)
     after = serving.metrics.registry.get_sample_value(
-        "specserve_request_finished_total", {"model_name": serving.model_names[0], "finish_reason": "abort"}
+        "vllm:request_success_total", {"model_name": serving.model_names[0], "engine": "0", "finished_reason": "abort"}
     )
     assert after == before + 1 and not serving.live and serving.pending == 0

@@ -80,7 +80,7 @@ def test_a_failing_request_gets_an_error_event_and_the_others_finish(rel_engine,
             assert stream_text(events) == text
         # Without streaming: a 500 with the error body.
         assert status == 500 and non_stream["error"]["code"] == "engine_error"
-        assert metric(live.url, "specserve_request_finished_total", finish_reason="error") >= 2
+        assert metric(live.url, "vllm:request_success_total", finished_reason="error") >= 2
         wait_idle(rel_engine)
 
 
@@ -98,7 +98,7 @@ def test_a_failing_drafter_falls_back_to_plain_decoding_and_is_counted(ngram_eng
             assert status == 200 and events[-1] == "[DONE]" and finish_reason(events) == "length"
             assert stream_text(events) == text  # exact: a fallback step decodes plainly
         assert metric(live.url, "specserve_spec_decode_fallbacks_total") > before
-        assert metric(live.url, "specserve_request_finished_total", finish_reason="error") == 0
+        assert metric(live.url, "vllm:request_success_total", finished_reason="error") == 0
 
 
 class EngineKilled(BaseException):

@@ -30,7 +30,7 @@ def test_a_request_past_the_time_limit_ends_with_a_clean_timeout(rel_engine):
         r = http.post("/v1/completions", json=SHORT)  # a request within the limit is unaffected
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
         metrics = http.get("/metrics").text
-    assert 'specserve_request_finished_total{finish_reason="abort",model_name="SmolLM2-135M-Instruct"} 2.0' in metrics
+    assert 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="SmolLM2-135M-Instruct"} 2.0' in metrics
 
 
 def test_requests_in_flight_beyond_the_limit_get_503(rel_engine):

@@ -58,7 +58,7 @@ def test_protect_metrics_puts_metrics_behind_the_key(rel_engine):
     with LiveServer(settings(api_key=KEY, protect_metrics=True), rel_engine) as live, live.http() as http:
         assert http.get("/metrics").status_code == 401
         r = http.get("/metrics", headers={"Authorization": f"Bearer {KEY}"})
-        assert r.status_code == 200 and "specserve_request_finished_total" in r.text
+        assert r.status_code == 200 and "vllm:request_success_total" in r.text
         assert http.get("/health").status_code == 200
 
 

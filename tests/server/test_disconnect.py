@@ -9,8 +9,8 @@ LONG = {"prompt": "Tell me a long story about a dragon.", "max_tokens": 900, "ig
 
 
 def aborted(server) -> float:
-    labels = {"model_name": server.serving.model_names[0], "finish_reason": "abort"}
-    return server.serving.metrics.registry.get_sample_value("specserve_request_finished_total", labels) or 0.0
+    labels = {"model_name": server.serving.model_names[0], "engine": "0", "finished_reason": "abort"}
+    return server.serving.metrics.registry.get_sample_value("vllm:request_success_total", labels) or 0.0
 
 
 def test_stream_disconnect_frees_blocks(server, llm_engine):

@@ -18,23 +18,26 @@ def scrape(server) -> dict[str, dict]:
 
 
 def value(samples, name, **labels) -> float:
-    return samples.get(name, {}).get(tuple(sorted({"model_name": MODEL, **labels}.items())), 0.0)
+    """A sample of ``name`` by its labels; vLLM's names carry ``engine`` too."""
+    base = {"model_name": MODEL, "engine": "0"} if name.startswith("vllm:") else {"model_name": MODEL}
+    return samples.get(name, {}).get(tuple(sorted({**base, **labels}.items())), 0.0)
 
 
 def test_names_and_families(server):
     samples = scrape(server)
     for name in (
-        "specserve_num_requests_running",
-        "specserve_num_requests_waiting",
-        "specserve_kv_cache_usage_perc",
-        "specserve_num_preemptions_total",
-        "specserve_time_to_first_token_seconds_count",
-        "specserve_inter_token_latency_seconds_count",
-        "specserve_e2e_request_latency_seconds_count",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions_total",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "specserve_request_rejected_total",
     ):
         assert name in samples, name
-    assert all(n.startswith("specserve_") and ":" not in n for n in samples)
-    assert value(samples, "specserve_kv_cache_usage_perc") == 0.0
+    assert all(n.startswith(("vllm:", "specserve_")) for n in samples)
+    assert value(samples, "vllm:kv_cache_usage_perc") == 0.0
 
 
 def test_counts_follow_requests(server):
@@ -49,14 +52,14 @@ def test_counts_follow_requests(server):
     def delta(name, **labels):
         return value(after, name, **labels) - value(before, name, **labels)
 
-    assert delta("specserve_request_finished_total", finish_reason="length") == 3
-    assert delta("specserve_generation_tokens_total") == r.usage.completion_tokens + c.usage.completion_tokens == 11
+    assert delta("vllm:request_success_total", finished_reason="length") == 3
+    assert delta("vllm:generation_tokens_total") == r.usage.completion_tokens + c.usage.completion_tokens == 11
     # each choice computes its prompt: n=2 counts the completion prompt twice
-    assert delta("specserve_prompt_tokens_total") == 2 * r.usage.prompt_tokens + c.usage.prompt_tokens
-    assert delta("specserve_time_to_first_token_seconds_count") == 3
-    assert delta("specserve_e2e_request_latency_seconds_count") == 3
-    assert delta("specserve_inter_token_latency_seconds_count") == 11 - 3  # every token after each first
-    assert delta("specserve_time_to_first_token_seconds_sum") > 0
+    assert delta("vllm:prompt_tokens_total") == 2 * r.usage.prompt_tokens + c.usage.prompt_tokens
+    assert delta("vllm:time_to_first_token_seconds_count") == 3
+    assert delta("vllm:e2e_request_latency_seconds_count") == 3
+    assert delta("vllm:inter_token_latency_seconds_count") == 11 - 3  # every token after each first
+    assert delta("vllm:time_to_first_token_seconds_sum") > 0
 
 
 def test_queue_full_is_counted_as_rejected(server, monkeypatch):
@@ -75,8 +78,8 @@ def test_prefix_cache_counts_queried_and_hit_tokens(server):
     prompt = "Name three rivers of Europe, say in which sea each one ends, and give the length of each in kilometres."
     usages = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0).usage for _ in range(2)]
     after = scrape(server)
-    queried = value(after, "specserve_prefix_cache_queries_total") - value(before, "specserve_prefix_cache_queries_total")
-    hit = value(after, "specserve_prefix_cache_hits_total") - value(before, "specserve_prefix_cache_hits_total")
+    queried = value(after, "vllm:prefix_cache_queries_total") - value(before, "vllm:prefix_cache_queries_total")
+    hit = value(after, "vllm:prefix_cache_hits_total") - value(before, "vllm:prefix_cache_hits_total")
     p = usages[0].prompt_tokens
     assert p > 16 and queried == 2 * p
     assert 16 * ((p - 1) // 16) <= hit <= queried
