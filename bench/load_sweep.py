@@ -124,8 +124,8 @@ def output_lengths(n: int, mean: int, fixed: bool) -> list[int]:
     Real traffic asks for outputs of many lengths (vLLM's serving benchmark takes each
     request's from its dataset). Lengths all equal make plain decoding's requests of a
     wave finish in lock-step, with no tail at low batch, while speculation's, some
-    faster than others, do not: at 16 concurrent the wave then measured that spread,
-    not the steady state (0.96x of plain, offline 0.98x, with more tokens per step)."""
+    faster than others, do not: a wave would then measure that spread, not the
+    steady state."""
     if fixed:
         return [mean] * n
     rng = random.Random(0)

@@ -6,11 +6,11 @@
 Every server is started at once on loopback and measured the same way through
 ``/v1/chat/completions`` (greedy, ``ignore_eos``, 128 new tokens, prompt
 processing included), interleaved: each prompt goes to each server in turn, in
-``--rounds`` passes, so that the machine's drifting speed (on the bench machine
-it moves by a third over minutes) hits every server alike. Each request or wave
+``--rounds`` passes, so that the machine's drifting speed (a shared cloud machine's
+can move by a third over minutes) hits every server alike. Each request or wave
 waits until every server's processes are idle (``settle``): vLLM's CPU build keeps
-about one core busy for a second after a response, which slowed the server
-measured after it by up to a tenth (its c16 wave) before this wait:
+about one core busy for a second after a response, which would slow the server
+measured after it:
 
 - ``b1 chat`` / ``b1 copy``: batch 1, median tokens/s over 4 chat prompts (one
   per MT-Bench-style category) and over 4 copy-heavy ones (Spec-Bench

@@ -31,9 +31,10 @@ def stop(proc: subprocess.Popen, timeout: float) -> None:
 
 def settle(pids: list[int], idle_cores: float = 0.1, interval: float = 0.25, timeout: float = 5.0) -> None:
     """Waits until the processes ``pids`` and their children together use less than
-    ``idle_cores`` of a core over ``interval`` seconds (at most ``timeout``). A server whose threads keep running after its response (vLLM's CPU
-    build: about one core for a second, measured) would otherwise slow whichever server
-    is measured next: call it between measurements of different servers."""
+    ``idle_cores`` of a core over ``interval`` seconds (at most ``timeout``). A server whose
+    threads keep running after its response (vLLM's CPU build: about one core for a
+    second) would otherwise slow whichever server is measured next: call it between
+    measurements of different servers."""
 
     def cpu_seconds() -> float:
         total = 0.0

@@ -1,8 +1,7 @@
 """A lean streaming client for the benchmarks that share the server's two cores.
 
-httpx spends 0.25-0.4 ms of CPU on each server-sent event (measured: 0.5-0.8 s of
-client CPU for the 2,048 events of 16 concurrent 128-token streams, on a 2-core
-machine where that time is taken from the server). This client reads the HTTP/1.1
+httpx spends a fraction of a millisecond of CPU on each server-sent event, and on a
+2-core machine that time is taken from the server. This client reads the HTTP/1.1
 response with asyncio streams and decodes each event with ``json.loads``: the same
 information, a fraction of the CPU. Every event is still read and parsed.
 
