@@ -11,7 +11,7 @@ over the cache as the block allocator leaves them:
   their request's list of slots, each row seeing one key more than the row before; a
   tree's nodes share one list per root-to-leaf path;
 - ``row by row``: each row given its own copy of the keys it sees, so that the kernel
-  reads the request's keys once per row (how trees were listed before);
+  reads the request's keys once per row;
 - ``torch``: the reference backend (gathered keys, ``scaled_dot_product_attention``).
 
 Interleaved, each timed right after a run of its own, the minimum of the repeats. Writes bench/results/attention.md.
