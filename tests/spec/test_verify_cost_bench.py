@@ -1,4 +1,4 @@
-"""bench.verify_cost: the table a lent GPU should produce (issue 4), kept runnable on the CPU."""
+"""bench.verify_cost: the table a lent GPU should produce, kept runnable on the CPU."""
 
 import pytest
 import torch
