@@ -64,6 +64,8 @@ class FakeCudaMode(FakeTensorMode):
         fakes = [a for a in flat if isinstance(a, FakeTensor)]
         if func in self._shims:
             return self._shims[func](self, *args, **kwargs)
+        if func.overloadpacket is aten.to:  # inference mode dispatches aten.to itself
+            return self._to(func, args, kwargs)
         if func is aten._local_scalar_dense.default and fakes:
             self.gpu.sync(".item() / bool() / float()")
             return value(args[0]).item()
@@ -104,8 +106,9 @@ class FakeCudaMode(FakeTensorMode):
 
     def wrap(self, real: torch.Tensor) -> FakeTensor:
         """A fake CUDA tensor with ``real``'s shape, strides, dtype and values."""
-        meta = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device="meta")
-        fake = FakeTensor(self, meta, CUDA)
+        with torch.inference_mode(False):  # never an inference tensor: views of it share its version counter
+            meta = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device="meta")
+            fake = FakeTensor(self, meta, CUDA)
         set_value(fake, real)
         self.gpu.track(fake)
         return fake
@@ -123,6 +126,16 @@ class FakeCudaMode(FakeTensorMode):
         if src.type != "cuda":
             self.gpu.h2d(x, non_blocking)
         return self.wrap(real)
+
+    def _to(self, func, args, kwargs):
+        """Any ``aten.to`` overload: ``x`` itself when nothing changes, else ``_to_copy``."""
+        bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+        x, other = bound["self"], bound.get("other")
+        device = bound.get("device") or (other.device if other is not None else x.device)
+        dtype = bound.get("dtype") or (other.dtype if other is not None else x.dtype)
+        if torch.device(device) == x.device and dtype == x.dtype and not bound.get("copy"):
+            return x
+        return self._to_copy(x, device=device, dtype=dtype, non_blocking=bound.get("non_blocking", False))
 
     def _copy(self, dst, src, non_blocking=False):
         if isinstance(dst, FakeTensor) and not isinstance(src, FakeTensor) and src.dim() > 0:
