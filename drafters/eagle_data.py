@@ -3,9 +3,9 @@
 features it reads and the target's next-token distribution -- captured while the
 target writes the answers.
 
-A second target pass over the finished chats for those labels cost as much as
-the head's training itself (0.84 s of a 1.9 s step, batches of 4 x 256 tokens),
-and so halved the steps the time budget allows; decoding computes them anyway.
+Captured while decoding, which computes them anyway: a second target pass over the
+finished chats for those labels would cost as much as the head's training step, and
+halve the steps the time budget allows.
 
 Prompts are prefilled and their answers decoded greedily, one token per chat per
 pass, until EOS or ``max_tokens``, many chats to a pass. Per token: the features

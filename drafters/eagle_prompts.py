@@ -5,9 +5,8 @@ The target answers them and the head learns from the answers, so they should spa
 what a chat model is asked: explanations of science, history and the arts; writing
 in many forms; role play; arithmetic and reasoning; summaries and extraction over a
 given text (Python's own documentation, ``pydoc_data.topics``, shipped with the
-standard library); code. A head trained on explanations alone agreed with the target
-on 52% of held-out explanation chats but on 39% of MT-Bench's answers.
-Everything is deterministic (numbers come from a seeded generator).
+standard library); code. A head learns the kind of text it is trained on: one trained
+on explanations alone drafts other kinds of chat far worse. Everything is deterministic (numbers come from a seeded generator).
 """
 
 import random

@@ -21,26 +21,13 @@ Each step's soft cross-entropy against the target's distribution, weighted 0.8^j
 The learning rate warms up over ``warmup`` steps, then follows a cosine from ``lr`` down
 to a tenth of it over the run's time budget (a resumed run starts the cosine afresh).
 
-Steps over chats: answering costs about 0.5 s a chat here, a training step 0.75 s, and
-within the time budget more steps beat more chats. On the same 2,506 chats, 2,085 steps
-against 625 raised the head's agreement with the target on MT-Bench stem, humanities
-and coding answers from 0.37 / 0.45 / 0.33 to 0.42 / 0.48 / 0.50 at the first draft
-(0.31 / 0.31 / 0.22 to 0.37 / 0.41 / 0.40 at the second), with no sign of
-over-fitting on the held-out chats (0.605 to 0.676) in 3.7 epochs. Half the chats
-leave the budget about twice the steps: from a clean start the command answered 1,253
-chats in 10.5 min and trained 1,375 steps (against ~600 with all of them), and its head
-agreed 0.40 / 0.43 / 0.37 at the first draft, 0.33 / 0.37 / 0.30 at the second.
+Steps over chats: within a fixed time budget, more training steps on fewer chats beat
+fewer steps on more chats (answering a chat costs about as much as a training step), so
+the command answers a random half of the prompts by default.
 
-Steps over depth: the training-time test runs 2 steps, not EAGLE-3's 3 or more. A step
-of 3 took ~0.76 s here, of 2 ~0.56 s, and the third draft is rarely reached on this CPU
-(the policy drafts one or two tokens a round at these acceptance rates). From the same
-1,253 distilled chats and 17.5 minutes of training, 2 steps trained 1,851 steps against
-3's 1,375, and the head agreed with the target on those MT-Bench answers 0.44 / 0.48 /
-0.42 at the first draft (against 0.40 / 0.43 / 0.37) and 0.36 / 0.39 / 0.31 at the
-second (against 0.33 / 0.37 / 0.29): better at both depths it drafts, as the head
-resumed to 2,085 steps was. A clean run of the command (its distillation slower that
-time, 14 min) trained 1,700 steps; its head agreed 0.43 / 0.45 / 0.38 and 0.35 / 0.38 /
-0.27: the same recipe varies by a few points from run to run.
+Steps over depth: the training-time test runs 2 steps, not EAGLE-3's 3 or more. The
+policy on a CPU drafts one or two tokens a round, and a third step makes each training
+step a third slower: that time buys more steps at the depths that are drafted.
 
 Every ``save_every`` steps the head is written in the published EAGLE-3 format (the
 loader reads it), with ``train/state.safetensors`` (weights, Adam moments, step) and
@@ -76,7 +63,7 @@ class TrainConfig:
     ttt_steps: int = 2  # see "Steps over depth" above
     lr: float = 1e-3
     warmup: int = 10
-    save_every: int = 100  # a save took 1.4 s, 17% of ten 0.85 s steps
+    save_every: int = 100  # a save costs one or two steps' time
     eval_every: int = 100
     eval_sequences: int = 32  # held-out sequences the agreement is measured on
     seed: int = 0
@@ -166,10 +153,8 @@ def new_head(target, draft_ids: torch.Tensor) -> EagleHead:
     """An EAGLE-3 head shaped like one target layer; its norm and lm_head start as the
     target's (restricted to the draft vocabulary), its fc as "take the high layer", its
     decoder layer as the target's last one reading that feature (the embedding's half of
-    q, k and v small and random). Against a random layer, after ~625 steps on the same
-    distillation, that start agreed with the target more often at the first draft:
-    held-out chats 0.605 against 0.590 (answer tokens alone 0.536 against 0.514),
-    MT-Bench stem, humanities and coding answers 0.37, 0.45, 0.33 against 0.37, 0.41, 0.29."""
+    q, k and v small and random): that start agrees with the target more often, after
+    the same steps, than a randomly initialized layer."""
     from transformers import LlamaConfig
 
     cfg = target.config
@@ -331,9 +316,8 @@ def training_step(head: EagleHead, opt, feats, tokens, target_p, steps: int, bf1
 
 def has_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), where oneDNN's
-    bfloat16 matmuls beat float32: a training step of 4 x 256 tokens took 0.36 s against
-    1.04 s in float32 on the 2-core Zen 5 bench machine. Elsewhere autocast would emulate
-    them, slower than float32."""
+    bfloat16 matmuls make a training step several times faster than float32. Elsewhere
+    autocast would emulate them, slower than float32."""
     from engine.layers.cpu_kernels import cpu_flags
 
     flags = cpu_flags().split()
