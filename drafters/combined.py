@@ -93,6 +93,11 @@ class CombinedDrafter(Drafter):
         self.ngram.commit(request)
         self.eagle.commit(request)
 
+    def rollback(self, request) -> None:
+        self.proposed.pop(request.request_id, None)
+        self.ngram.rollback(request)
+        self.eagle.rollback(request)
+
     def free(self, request_id: str) -> None:
         for table in (self.choice, self.proposed):
             table.pop(request_id, None)

@@ -49,7 +49,7 @@ class SamplingDrafter(Drafter):
 
     def __init__(self, device):
         self.device = device
-        self.generators: dict[str, torch.Generator] = {}
+        self.generators: dict[str, tuple[int, torch.Generator]] = {}  # id -> (committed length, its round's stream)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], drafts: dict[str, list[int]]):
         """logits [n, vocab], one row per request -> (q per request, one draft token per request).
@@ -82,16 +82,30 @@ class SamplingDrafter(Drafter):
         return processed_probs(logits, batch), penalized_logits(logits, batch)
 
     def _generator(self, request: Request) -> torch.Generator | None:
+        """A seeded request's draft stream for this round: seeded from its seed and its
+        committed length, so what it draws never depends on what happened to the drafter's
+        state (a failed batch, a reset) nor on other requests."""
         seed = request.params.seed
         if seed is None or request.params.greedy:
             return None
-        g = self.generators.get(request.request_id)
-        if g is None:  # a stream of its own, distinct from the target sampler's
-            g = self.generators[request.request_id] = torch.Generator(self.device).manual_seed(seed ^ 0x5DEECE66D)
-        return g
+        held = self.generators.get(request.request_id)
+        if held is None or held[0] != request.num_tokens:
+            g = torch.Generator(self.device).manual_seed(round_seed(seed, request.num_tokens))
+            held = self.generators[request.request_id] = (request.num_tokens, g)
+        return held[1]
+
+    def rollback(self, request: Request) -> None:
+        self.generators.pop(request.request_id, None)  # the round's stream restarts from its key
+        self.commit(request)
 
     def free(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+
+
+def round_seed(seed: int, num_tokens: int) -> int:
+    """The seed of a request's draft stream in the round after ``num_tokens`` committed
+    tokens: distinct from the target sampler's ``seed`` and from every other round's."""
+    return (seed * 0x9E3779B97F4A7C15 + num_tokens * 0xBF58476D1CE4E5B9 + 0x5DEECE66D) % (1 << 63)
 
 
 class ModelDrafter(SamplingDrafter):

@@ -11,13 +11,18 @@ How children are drawn, so that verification (``engine.tree_sampler``) is exact:
 * sampled request: without replacement from the draft's processed
   distribution ``q``, by one exponential race -- the tokens ordered by
   ``q(x) / E_x`` (``E_x ~ Exp(1)``) are sequential draws without replacement.
+  The race and each child's ``q_i`` are computed in float64 and the race in log
+  space, so a q of float32 denormals is drawn from as reported and a token with
+  ``q = 0`` is never drawn (in float32, ``q / E`` of tiny q rounds or underflows).
   Child ``i`` is sent with ``q_i`` = ``q`` with children ``1 .. i-1`` zeroed and
   renormalized, the distribution it was really drawn from given its elder
   siblings (plain ``q`` per child would be wrong, see the tree sampler's proof).
   Tokens ``q`` gives no mass cannot be drawn: a node gets at most as many
   children as ``q`` has support (which depends on the branch, not on the draws);
 * greedy request: the ``w`` best tokens by the draft's penalized logits, a
-  function of the context alone (verification only compares argmaxes).
+  function of the context alone, with no q (verification only compares
+  argmaxes). Whether a round takes the plain-greedy fast path (the raw logits'
+  top tokens) is decided once per round, for the whole batch.
 
 The tree's shape never depends on a node's own token, only on the template
 and on what was drawn before it, which keeps the round non-anticipating.
@@ -39,7 +44,7 @@ class GrowingTree:
     template: tuple[int, ...]  # the shape, cut to the slot's node budget
     token_ids: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
-    probs: list[torch.Tensor | None] = field(default_factory=list)  # [vocab] q_i per node; None: one-hot
+    probs: list[torch.Tensor | None] = field(default_factory=list)  # [vocab] q_i per node; None: greedy (one-hot)
     of_template: list[int] = field(default_factory=list)  # template node of each node
 
     def level(self, depth: int) -> list[int]:
@@ -66,7 +71,8 @@ class GrowingTree:
         if not self.token_ids:
             return None
         parents = tuple(self.parents)
-        probs = None if self.probs[0] is None else torch.stack(self.probs)  # None: a plain greedy request's
+        greedy = self.slot.request.params.greedy  # q is None at every node of a greedy request, at none of a sampled one
+        probs = None if greedy else torch.stack(self.probs)  # [nodes, vocab]
         return Draft(list(self.token_ids), probs, None if tree.is_chain(parents) else parents)
 
 
@@ -81,15 +87,16 @@ def template_of(slot: DraftSlot) -> tuple[int, ...]:
 
 def draw_children(q: torch.Tensor, logits: torch.Tensor, greedy: bool, count: int, noise: torch.Tensor):
     """``count`` distinct children of one node (fewer if q's support is smaller): their
-    tokens and the q each was drawn from. q, logits (penalized), noise: [vocab]."""
+    tokens and the q each was drawn from (None for a greedy request). q, logits
+    (penalized), noise: [vocab]."""
     if greedy:
-        tokens = logits.topk(min(count, logits.shape[0])).indices.tolist()
-        return [(t, torch.nn.functional.one_hot(torch.tensor(t), q.shape[0]).to(q)) for t in tokens]
-    tokens = (q / noise).topk(min(count, int((q > 0).sum()))).indices.tolist()  # exponential race order
-    out, rest = [], q.clone()
+        return [(t, None) for t in logits.topk(min(count, logits.shape[0])).indices.tolist()]
+    q64 = q.double()
+    keys = q64.log() - noise.double().log()  # log(q / E): no underflow; -inf exactly where q = 0
+    tokens = keys.topk(min(count, int((q64 > 0).sum()))).indices.tolist()  # exponential race order
+    out, rest = [], q64.clone()
     for t in tokens:
-        out.append((t, rest / rest.sum()))
-        rest = rest.clone()
+        out.append((t, (rest / rest.sum()).to(q.dtype)))
         rest[t] = 0.0
     return out
 
@@ -104,16 +111,19 @@ def grow_trees(slots: list[DraftSlot], forward, distributions, generator, device
     from engine.sampler import exponential_noise
 
     grows = [GrowingTree(s, template_of(s)) for s in slots]
+    # The fast path is the round's, not a depth's: a depth where only plain greedy trees
+    # are left must still draw as the rest of the round did.
+    fast = all(g.slot.request.params.argmax_of_raw_logits for g in grows)
     for depth in range(max(int(tree.depths(g.template).max()) for g in grows) + 1):
         live = [g for g in grows if any(g.num_children(n) for n in g.level(depth))]
         if not live:
             break
         levels = [g.level(depth) for g in live]
         logits = torch.cat(forward(live, depth))  # [rows, vocab]
-        requests = [g.slot.request for g, lv in zip(live, levels) for _ in lv]
-        if all(r.params.argmax_of_raw_logits for r in requests):  # children: the raw logits' top tokens
+        if fast:  # children: the raw logits' top tokens
             _add_top_children(live, levels, logits)
             continue
+        requests = [g.slot.request for g, lv in zip(live, levels) for _ in lv]
         prefixes = [tuple(_branch(g, n)) for g, lv in zip(live, levels) for n in lv]
         q, penalized = distributions(logits, requests, prefixes)
         noise = exponential_noise(tuple(q.shape), [generator(r) for r in requests], device)

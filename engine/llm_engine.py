@@ -253,8 +253,10 @@ class LLMEngine:
         return self.policy.plan(candidates, len(running))
 
     def _propose(self, scheduled: SchedulerOutput, plan: StepPlan) -> dict:
-        """Drafts for the scheduled slots (a chain, or a tree of the plan's shape); a failing
-        drafter means no drafts this step."""
+        """Drafts for the scheduled slots (a chain, or a tree of the plan's shape). When the
+        drafter fails, each request is rolled back and drafted alone, so that only the
+        requests that fail by themselves decode without drafts this step (their drafter
+        state dropped); the others keep their state and their drafts."""
         if self.drafter is None:
             return {}
         requests, tables, decisions = self.scheduler.requests, self.kv_manager.block_table, plan.decisions
@@ -266,15 +268,24 @@ class LLMEngine:
         if not slots:
             return {}
         try:
-            if self.fault_hook:
-                self.fault_hook("drafter", [s.request.request_id for s in slots])
-            return _cut_to_grammar(self.drafter.propose(slots), slots)
-        except Exception:  # noqa: BLE001 - speculation is an optimization: decode plainly instead
-            log.exception("drafter failed; %d requests decode without drafts this step", len(slots))
-            self.step_fallbacks = 1
-            for s in slots:
+            return self._drafts(slots)
+        except Exception:  # noqa: BLE001 - isolated below
+            log.exception("drafter failed for %d requests; drafting them one by one", len(slots))
+        self.step_fallbacks = 1
+        drafts = {}
+        for s in slots:
+            self.drafter.rollback(s.request)
+            try:
+                drafts.update(self._drafts([s]))
+            except Exception:  # noqa: BLE001 - speculation is an optimization: decode plainly instead
+                log.exception("drafter failed; request %s decodes without drafts this step", s.request.request_id)
                 self.drafter.free(s.request.request_id)  # its caches may be half-written
-            return {}
+        return drafts
+
+    def _drafts(self, slots: list[DraftSlot]) -> dict:
+        if self.fault_hook:
+            self.fault_hook("drafter", [s.request.request_id for s in slots])
+        return _cut_to_grammar(self.drafter.propose(slots), slots)
 
     def _context_class(self, request: Request) -> int | None:
         """The drafter's class of the request's context (the plan asks it); a failure

@@ -8,7 +8,9 @@ request (the policy plans the step's draft slots from it, see
 ``engine.spec_decode.policy``); after scheduling it calls ``propose`` once with
 the requests that got draft slots. After verification it calls ``commit`` with
 each request's final token count, so a drafter with a KV cache of its own can
-roll back the entries of rejected drafts; ``free`` when a request ends.
+roll back the entries of rejected drafts; ``free`` when a request ends. When
+``propose`` raises, the engine calls ``rollback`` for each request and drafts it
+alone; ``free`` ends the drafter's state of a request that fails by itself.
 """
 
 from abc import ABC, abstractmethod
@@ -71,5 +73,10 @@ class Drafter(ABC):
     def commit(self, request: "Request") -> None:
         """``request.token_ids`` are final up to their current length; called after every step."""
 
+    def rollback(self, request: "Request") -> None:
+        """``propose`` failed part-way: return ``request`` to where its last ``commit`` left
+        it (caches, random streams), so that it can be drafted again this step."""
+        self.commit(request)
+
     def free(self, request_id: str) -> None:
-        """The request ended; drop everything held for it."""
+        """The request ended (or its drafting failed); drop everything held for it."""
