@@ -15,7 +15,7 @@ is caught up when its turn comes.
 
 from dataclasses import dataclass
 
-from engine import tree
+from engine.spec_decode import tree
 from engine.spec_decode.drafter import Draft, Drafter, DraftSlot
 from drafters.eagle import EagleDrafter, eagle_factory
 from drafters.ngram import NgramDrafter

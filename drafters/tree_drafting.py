@@ -1,12 +1,12 @@
 """Growing token trees with a model drafter, depth by depth, inside a template.
 
-The policy hands each slot a template (``DraftSlot.shape``, an ``engine.tree``
+The policy hands each slot a template (``DraftSlot.shape``, an ``engine.spec_decode.tree``
 parent list chosen before drafting). The drafter runs one batched forward per
 depth over each request's tree so far and draws the children of every node of
 the deepest level at once; each node gets exactly the children its template
 node has, as many as can be drawn.
 
-How children are drawn, so that verification (``engine.tree_sampler``) is exact:
+How children are drawn, so that verification (``engine.spec_decode.tree_sampler``) is exact:
 
 * sampled request: without replacement from the draft's processed
   distribution ``q``, by one exponential race -- the tokens ordered by
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.spec_decode.drafter import Draft, DraftSlot
-from engine import tree
+from engine.spec_decode import tree
 
 
 @dataclass

@@ -108,7 +108,7 @@ class SpeculativeConfig:
     # Extra cost of one verified draft, in decode steps. None: measured at start-up. Pin it to
     # make the policy's choices, and so seeded outputs, identical from one server start to the next.
     verify_cost: float | None = None
-    # Token trees (engine.tree_policy): up to tree_width children per node (1: chains), at most
+    # Token trees (engine.spec_decode.tree_policy): up to tree_width children per node (1: chains), at most
     # max_tree_nodes nodes; or vLLM's static tree literal (model drafters), e.g. [[0], [1], [0, 0]].
     tree_width: int = 1
     max_tree_nodes: int = 16
@@ -129,8 +129,8 @@ class SpeculativeConfig:
         return self.tree_width > 1 or self.speculative_token_tree is not None
 
     def static_tree(self) -> tuple[int, ...] | None:
-        """The parent list of ``speculative_token_tree`` (engine.tree), or None."""
-        from engine.tree import parse_static_tree
+        """The parent list of ``speculative_token_tree`` (engine.spec_decode.tree), or None."""
+        from engine.spec_decode.tree import parse_static_tree
 
         literal = self.speculative_token_tree
         if literal is None:

@@ -36,7 +36,7 @@ from engine.spec_decode.drafter import Draft, DraftSlot
 from engine.spec_decode.policy import Candidate, SpecPolicy, StepCosts, StepPlan
 from engine.spec_decode.registry import build_drafter
 from engine.stats import EngineSnapshot, StepTimes, make_step_stats
-from engine.tree import is_chain, walk
+from engine.spec_decode.tree import is_chain, walk
 from engine.stop import holdback
 from kvcache import KVCacheManager, blocks_needed
 from kvcache.tensors import KVSpec, PagedKV

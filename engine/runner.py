@@ -13,7 +13,7 @@ being the target's distribution after the first ``i`` drafts::
     tokens fed:  t_last  d1  d2  d3        (k = 3)
     logit row:   0       1   2   3         row i predicts the token after d_i
 
-A draft may be a token tree (``engine.tree``): the ``k`` nodes are fed in node
+A draft may be a token tree (``engine.spec_decode.tree``): the ``k`` nodes are fed in node
 order, each at position ``context_len + 1 + depth`` and attending to the
 prefix and its own ancestors (``SeqSpec.parents``); row ``i + 1`` is the
 target's distribution after node ``i``'s branch. After verification the
@@ -48,9 +48,9 @@ from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
 from engine.spec_decode.drafter import Draft
 from engine.spec_decode.metadata import build_verify_metadata
-from engine import tree
+from engine.spec_decode import tree
 from engine.outputs import TokenLogprob
-from engine.rejection_sampler import greedy_verify, rejection_sample
+from engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
 from engine.sampler import (
     apply_bitmask,
     build_sampling_batch,
@@ -62,7 +62,7 @@ from engine.sampler import (
 )
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
-from engine.tree_sampler import tree_verify
+from engine.spec_decode.tree_sampler import tree_verify
 from kvcache.manager import slot_mapping
 from kvcache.tensors import PagedKV, move_slots
 

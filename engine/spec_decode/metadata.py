@@ -1,7 +1,7 @@
 """A step's drafts for verification, flat (vLLM v1's ``SpecDecodeMetadata`` is the model).
 
 ``n`` requests sample this step; request ``r`` drafted ``k_r >= 0`` tokens (a chain,
-or a tree over them: ``engine.tree``), ``D = sum k_r`` in all. The target pass gives
+or a tree over them: ``engine.spec_decode.tree``), ``D = sum k_r`` in all. The target pass gives
 ``R = D + n`` rows of logits, request after request: ``k_r + 1`` rows each, the
 first after the last committed token, row ``i + 1`` after draft ``i``. Example::
 
@@ -13,7 +13,7 @@ first after the last committed token, row ``i + 1`` after draft ``i``. Example::
     bonus_logits_indices  = [2, 3, 7]        (the row after a chain's last draft)
 
 Nothing is padded to the longest request: the verification rules work on these
-offsets (``engine.rejection_sampler``, ``engine.tree_sampler``).
+offsets (``engine.spec_decode.rejection_sampler``, ``engine.spec_decode.tree_sampler``).
 """
 
 from dataclasses import dataclass
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine import tree
+from engine.spec_decode import tree
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from engine import tree, tree_policy
+from engine.spec_decode import tree, tree_policy
 from engine.config import SpeculativeConfig
 from engine.spec_decode.batch_pause import BatchPauses
 
@@ -230,7 +230,7 @@ class Decision:
     # The class record to start from when the request has none yet (the pooled rates as
     # they were at planning time); None when it has one.
     fresh: ClassState | None = None
-    template: tuple[int, ...] | None = None  # a token tree's shape (engine.tree_policy); None: a chain
+    template: tuple[int, ...] | None = None  # a token tree's shape (engine.spec_decode.tree_policy); None: a chain
 
 
 @dataclass(frozen=True)
@@ -402,7 +402,7 @@ class SpecPolicy:
     def record(self, request_id: str, decision: Decision, num_drafted: int, num_accepted: int, outcomes=None) -> None:
         """After verification of a request that ran with ``decision``: ``num_accepted``
         of ``num_drafted`` drafts were kept; ``outcomes``: for a token tree, what was
-        tried per depth (``engine.tree.walk``). The only place a request's record changes."""
+        tried per depth (``engine.spec_decode.tree.walk``). The only place a request's record changes."""
         st = self.states.get(request_id)
         if st is None:
             st = self.states[request_id] = SpecState(isolated=decision.isolated)

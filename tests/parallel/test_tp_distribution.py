@@ -7,7 +7,7 @@ The distribution helpers are the speculative suite's (``tests/spec``). Slow."""
 import pytest
 import torch
 
-from engine import rejection_sampler
+from engine.spec_decode import rejection_sampler
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import load_model

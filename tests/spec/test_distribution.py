@@ -14,7 +14,7 @@ import torch
 
 from drafters.draft_model import ModelDrafter
 from drafters.ngram import NgramDrafter
-from engine import rejection_sampler
+from engine.spec_decode import rejection_sampler
 from tests.spec.bigram import BigramLM, bigram_table, perturbed
 from tests.spec.distribution import V, exact_joint, make_engine, p_value, sample_joint
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from drafters.eagle import EagleDrafter
-from engine import rejection_sampler, tree_sampler
+from engine.spec_decode import rejection_sampler, tree_sampler
 from tests.spec.distribution import exact_joint, make_engine, p_value, sample_joint
 from tests.spec.eagle_heads import random_head
 from tests.spec.test_distribution import NUM_SAMPLES, SETTINGS, _resample_from_p, llama_logits, tiny_llama

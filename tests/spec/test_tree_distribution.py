@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine import tree, tree_sampler
+from engine.spec_decode import tree, tree_sampler
 from engine.spec_decode.metadata import build_verify_metadata
-from engine.tree_sampler import tree_verify
+from engine.spec_decode.tree_sampler import tree_verify
 from tests.spec.bigram import bigram_table, perturbed
 from tests.spec.distribution import p_value, processed
 

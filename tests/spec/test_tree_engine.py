@@ -14,7 +14,8 @@ import engine.runner
 from drafters.draft_model import ModelDrafter
 from drafters.early_exit import EarlyExitDrafter
 from drafters.ngram import NgramDrafter
-from engine import SamplingParams, tree_sampler
+from engine import SamplingParams
+from engine.spec_decode import tree_sampler
 from engine.config import SpeculativeConfig
 from engine.llm_engine import LLMEngine
 from tests.conftest import check_no_lost_blocks, engine_config

@@ -6,8 +6,8 @@ import pytest
 
 from engine.config import SpeculativeConfig
 from engine.spec_decode.policy import Candidate as Request, SpecPolicy, StepCosts
-from engine import tree
-from engine.tree_policy import PRIOR_SIBLING, Candidate, best_grown, expected_accepted, grown, update
+from engine.spec_decode import tree
+from engine.spec_decode.tree_policy import PRIOR_SIBLING, Candidate, best_grown, expected_accepted, grown, update
 
 
 def test_expected_accepted_of_a_small_tree():

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine import tree
-from engine.rejection_sampler import PLACEHOLDER, rejection_sample
+from engine.spec_decode import tree
+from engine.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample
 from engine.spec_decode.metadata import build_verify_metadata
-from engine.tree_sampler import tree_verify
+from engine.spec_decode.tree_sampler import tree_verify
 
 # The reference's example:      root
 #                              /    \

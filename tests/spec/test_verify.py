@@ -6,12 +6,12 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from engine.rejection_sampler import PLACEHOLDER, greedy_verify, rejection_sample, residual_distribution
-from engine import tree
+from engine.spec_decode.rejection_sampler import PLACEHOLDER, greedy_verify, rejection_sample, residual_distribution
+from engine.spec_decode import tree
 from engine.runner import _greedy_rule
 from engine.spec_decode.drafter import Draft
 from engine.spec_decode.metadata import build_verify_metadata
-from engine.tree_sampler import tree_verify
+from engine.spec_decode.tree_sampler import tree_verify
 
 P = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
 Q = torch.tensor([0.2, 0.6, 0.2], dtype=torch.float64)

@@ -1,7 +1,7 @@
 """Verification of drafted token trees: greedy walk and recursive rejection.
 
-Extends ``engine.rejection_sampler`` (a chain is the tree of width 1 and gives
-the same outputs from the same random numbers) to trees (``engine.tree``),
+Extends ``engine.spec_decode.rejection_sampler`` (a chain is the tree of width 1 and gives
+the same outputs from the same random numbers) to trees (``engine.spec_decode.tree``),
 vectorized over the batch with one loop over depth and one over sibling rank.
 Request ``r`` drafted ``num_nodes[r]`` nodes; row 0 of its target distributions
 is ``p`` after the last committed token, row ``i + 1`` is ``p`` after node ``i``
@@ -51,7 +51,7 @@ bonus token, ``PLACEHOLDER`` padding; ``num_accepted [n]``; ``accepted_nodes
 
 import torch
 
-from engine.rejection_sampler import PLACEHOLDER, residual_distribution
+from engine.spec_decode.rejection_sampler import PLACEHOLDER, residual_distribution
 from engine.spec_decode.metadata import VerifyMetadata
 
 
