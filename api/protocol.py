@@ -90,10 +90,12 @@ class SamplingRequest(BaseModel):
     # specserve: false opts this request out of speculative decoding.
     speculative_decoding: bool | None = True
     # vLLM's structured-output extras (at most one; see server/params.py): a JSON schema
-    # (an object, or JSON text), a regular expression, a list of strings to pick one of.
+    # (an object, or JSON text), a regular expression, a list of strings to pick one of,
+    # a grammar (EBNF or Lark).
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -275,10 +277,28 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class DeltaToolCall(ToolCall):
-    """A tool call in a stream delta (sent whole, in one chunk)."""
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None  # a piece of the arguments' JSON text, to append
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of tool call ``index`` in a stream delta (OpenAI's shape): the first has
+    the call's id, type and name with ``arguments: ""``; the next ones only a piece of
+    the arguments' text."""
 
     index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatResponseMessage(BaseModel):

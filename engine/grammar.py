@@ -96,6 +96,10 @@ class Grammars:
         if spec.kind == "choice":
             choices = json.loads(spec.value)
             return self.compiler.compile_grammar("root ::= " + " | ".join(_ebnf_string(c) for c in choices))
+        if spec.kind == "grammar":
+            if is_ebnf(spec.value):
+                return self.compiler.compile_grammar(spec.value)
+            return self.compiler.compile_lark(spec.value)
         raise ValueError(f"unknown kind {spec.kind!r}")
 
     def matcher(self, spec: GuidedDecoding, stop_ids: Sequence[int]) -> "RequestGrammar":
@@ -105,7 +109,13 @@ class Grammars:
 
 
 _WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regular expression",
-         "choice": "list of choices"}
+         "choice": "list of choices", "grammar": "grammar (EBNF with 'root ::= ...', or Lark with 'start: ...')"}
+
+
+def is_ebnf(grammar: str) -> bool:
+    """xgrammar's EBNF defines rules with ``::=``; a grammar without one is read as Lark
+    (``rule: ...``), the rule vLLM follows."""
+    return re.search(r"^\s*[A-Za-z_][\w-]*\s*::=", grammar, re.M) is not None
 
 
 def _clean(error: Exception) -> str:

@@ -4,7 +4,7 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
-GUIDED_KINDS = ("json", "json_object", "regex", "choice")
+GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_TOP_K = 1 << 20  # more than any vocabulary; larger values are refused, not clamped
 GREEDY_EPS = 1e-5  # temperatures below this are greedy
 
@@ -15,7 +15,8 @@ class GuidedDecoding:
 
     ``kind`` "json": ``value`` is a JSON schema (as JSON text); "json_object": any JSON
     object (``value`` unused); "regex": a regular expression; "choice": a JSON list of
-    strings, the output being exactly one of them. ``param`` names the request field
+    strings, the output being exactly one of them; "grammar": a context-free grammar,
+    xgrammar's EBNF (``root ::= ...``) or Lark (``start: ...``). ``param`` names the request field
     it came from, for error messages.
     """
 

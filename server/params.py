@@ -74,7 +74,7 @@ def build_params(
 
 def guided_decoding(req: SamplingRequest) -> GuidedDecoding | None:
     """The grammar asked by ``response_format`` (chat) or vLLM's ``guided_json`` /
-    ``guided_regex`` / ``guided_choice``; at most one of them. Shapes only: the
+    ``guided_regex`` / ``guided_choice`` / ``guided_grammar``; at most one of them. Shapes only: the
     grammar itself is checked when the engine compiles it."""
     found = [g for g in (_response_format(getattr(req, "response_format", None)), _vllm_guided(req)) if g]
     if len(found) > 1:
@@ -102,9 +102,10 @@ def _response_format(fmt: dict[str, Any] | None) -> GuidedDecoding | None:
 
 
 def _vllm_guided(req: SamplingRequest) -> GuidedDecoding | None:
-    asked = [f for f in ("guided_json", "guided_regex", "guided_choice") if getattr(req, f) is not None]
+    fields = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    asked = [f for f in fields if getattr(req, f) is not None]
     if len(asked) > 1:
-        raise bad_request(f"at most one of guided_json, guided_regex, guided_choice, got {asked}", param=asked[1])
+        raise bad_request(f"at most one of {', '.join(fields)}, got {asked}", param=asked[1])
     if req.guided_json is not None:
         schema = req.guided_json
         if isinstance(schema, str):
@@ -121,6 +122,10 @@ def _vllm_guided(req: SamplingRequest) -> GuidedDecoding | None:
         if not req.guided_choice or not all(req.guided_choice):
             raise bad_request("guided_choice must be a non-empty list of non-empty strings", param="guided_choice")
         return GuidedDecoding("choice", json.dumps(req.guided_choice), "guided_choice")
+    if req.guided_grammar is not None:
+        if not req.guided_grammar.strip():
+            raise bad_request("guided_grammar must not be empty", param="guided_grammar")
+        return GuidedDecoding("grammar", req.guided_grammar, "guided_grammar")
     return None
 
 

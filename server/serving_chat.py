@@ -7,7 +7,8 @@ chunk with an empty delta and the finish reason (OpenAI's sequence).
 Structured outputs: ``response_format`` or a ``guided_*`` field becomes the
 request's grammar (server/params.py). Tools (server/tools.py): rendered into the
 prompt; a required or named call is a grammar too; an answer that parses as a
-call comes back as ``tool_calls`` (in a stream: one delta before the finish chunk).
+call comes back as ``tool_calls`` (in a stream: piece by piece as it is written,
+server/tool_calls.py).
 """
 
 import time
@@ -28,7 +29,6 @@ from api.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
-    DeltaToolCall,
     SpecDecodeUsage,
     Usage,
 )
@@ -38,6 +38,7 @@ from server.logprobs import TokenDecoder, chat_logprobs, vllm_prompt_logprobs
 from server.params import build_params, check_n, check_prompt_logprobs, guided_decoding, per_choice, unsupported
 from server.responses import ChoiceResult, respond
 from server.serving import ServingEngine
+from server.tool_calls import CallStream
 from server.tools import Tools, render_call_history, request_tools, tool_instruction
 
 
@@ -141,10 +142,12 @@ def could_be_call(tools: Tools, text: str) -> bool:
 class _View:
     """Renders one request's engine deltas as OpenAI chat objects.
 
-    With tools, a choice's text is held back while it may still be a tool call (all
-    of it under a required call; in "auto" while it starts like one, see
-    ``could_be_call``); at its end it goes out as one ``tool_calls`` delta, or as
-    content if it does not parse.
+    With tools, a streamed choice's text goes through a ``CallStream`` while it may
+    still be a tool call (all of it under a required call; in "auto" while it starts
+    like one, see ``could_be_call``): once a call's name is written its pieces go out
+    as ``tool_calls`` deltas (id, type and name first, then the arguments' text as it
+    comes) and the choice ends with finish_reason "tool_calls"; once it cannot be a
+    call, the text held so far goes out as content.
     """
 
     def __init__(self, cid, model, n, num_prompt_tokens, decode, want_logprobs, prompt_logprobs, include_usage,
@@ -157,7 +160,8 @@ class _View:
         self.started = [False] * n
         self.completion_tokens = [0] * n
         self.spec = [{}] * n
-        self.held: list[tuple[str, list] | None] = [("", []) if tools else None for _ in range(n)]
+        self.calls: list[CallStream | None] = [CallStream(tools.names) if tools else None for _ in range(n)]
+        self.held_logprobs: list[list] = [[] for _ in range(n)]
 
     def render(self, index: int, out: RequestOutput):
         if not self.started[index]:
@@ -167,22 +171,34 @@ class _View:
         if out.finished:
             self.spec[index] = out.spec
         text, logprobs = out.new_text, out.logprobs or []
-        if self.held[index] is not None:
-            text, logprobs = self.held[index][0] + text, self.held[index][1] + logprobs
-            if not out.finished and could_be_call(self.tools, text):
-                self.held[index] = (text, logprobs)
-                return
-            self.held[index] = None
-            calls = self.tools.parse(text) if out.finished else None
-            if calls:
-                deltas = [DeltaToolCall(index=i, **c.model_dump()) for i, c in enumerate(calls)]
-                yield self._chunk(index, DeltaMessage(tool_calls=deltas), self._logprobs(logprobs))
-                yield self._chunk(index, DeltaMessage(), finish_reason="tool_calls")
+        if self.calls[index] is not None:
+            text, logprobs = yield from self._render_calls(index, out)
+            if text is None:
                 return
         if text or (self.want_logprobs and logprobs):
             yield self._chunk(index, DeltaMessage(content=text), self._logprobs(logprobs))
         if out.finished:
             yield self._chunk(index, DeltaMessage(), finish_reason=out.finish_reason)
+
+    def _render_calls(self, index: int, out: RequestOutput):
+        """Tool-call pieces of this delta; returns (None, None) when the delta is done, or the
+        text and logprobs to send as content (the answer is not a call)."""
+        stream = self.calls[index]
+        logprobs = self.held_logprobs[index] + (out.logprobs or [])
+        pieces = stream.feed(out.new_text)
+        if stream.started:
+            self.held_logprobs[index] = []
+            for i, piece in enumerate(pieces):
+                yield self._chunk(index, DeltaMessage(tool_calls=[piece]), self._logprobs(logprobs) if i == 0 else None)
+            if out.finished:
+                reason = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
+                yield self._chunk(index, DeltaMessage(), finish_reason=reason)
+            return None, None
+        if not (out.finished or stream.rejected or not could_be_call(self.tools, stream.text)):
+            self.held_logprobs[index] = logprobs
+            return None, None
+        self.calls[index] = None
+        return stream.text, logprobs
 
     def _logprobs(self, logprobs: list) -> ChatChoiceLogprobs | None:
         return ChatChoiceLogprobs(content=chat_logprobs(logprobs, self.decode)) if self.want_logprobs else None

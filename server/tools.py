@@ -10,8 +10,10 @@ to the conversation's own system message or as a new first one.
 Format of a call. The model answers with one JSON object
 ``{"name": <function name>, "arguments": {...}}``, or a JSON list of them for
 several calls; the object may be wrapped in ``<tool_call>...</tool_call>``
-(Hermes / Qwen style). Earlier calls in the conversation (an assistant message's
-``tool_calls``) are rendered the same way, and tool results as ``tool`` messages.
+(Hermes / Qwen style). Text after the calls is ignored. Earlier calls in the
+conversation (an assistant message's ``tool_calls``) are rendered the same way,
+and tool results as ``tool`` messages. ``server/tool_calls.py`` reads the format,
+whole or as it is written (streams send each call piece by piece).
 
 ``tool_choice``:
 - ``"none"``: the tools are not rendered; the answer is text.
@@ -25,16 +27,13 @@ A parsed answer has ``content: null``, ``tool_calls`` and finish_reason "tool_ca
 """
 
 import json
-import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from api.errors import bad_request
 from api.protocol import ChatCompletionRequest, FunctionCall, ToolCall
 from engine.sampling_params import GuidedDecoding
-
-TOOL_CALL_TAG = re.compile(r"^\s*<tool_call>(.*?)</tool_call>\s*$", re.DOTALL)
+from server.tool_calls import NotACall, new_call_id, scan
 
 
 @dataclass(frozen=True)
@@ -54,24 +53,26 @@ class Tools:
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
         return GuidedDecoding("json", json.dumps(schema), "tool_choice")
 
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(f["name"] for f in self.functions)
+
     def parse(self, text: str) -> list[ToolCall] | None:
         """The calls in ``text`` (format in the module doc), or None when it is not one."""
-        match = TOOL_CALL_TAG.match(text)
         try:
-            value = json.loads(match.group(1) if match else text)
-        except json.JSONDecodeError:
+            scanned = scan(text, self.names)
+        except NotACall:
             return None
-        items = value if isinstance(value, list) else [value]
-        names = {f["name"] for f in self.functions}
         calls = []
-        for item in items:
-            if not (isinstance(item, dict) and item.get("name") in names):
+        for call in scanned:
+            try:
+                args = json.loads(call.arguments(text)) if call.closed else None
+            except json.JSONDecodeError:
                 return None
-            args = item.get("arguments", item.get("parameters", {}))
             if not isinstance(args, dict):
                 return None
-            calls.append(ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(
-                name=item["name"], arguments=json.dumps(args, ensure_ascii=False))))
+            calls.append(ToolCall(id=new_call_id(), function=FunctionCall(
+                name=call.name, arguments=json.dumps(args, ensure_ascii=False))))
         return calls or None
 
 

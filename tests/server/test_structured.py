@@ -1,6 +1,6 @@
 """Structured outputs and tools over HTTP on the default model: ``response_format``
 (``json_object``, ``json_schema``), vLLM's ``guided_json`` / ``guided_regex`` /
-``guided_choice``, and ``tools`` with ``tool_choice``, with speculation off,
+``guided_choice`` / ``guided_grammar`` (EBNF and Lark), and ``tools`` with ``tool_choice``, with speculation off,
 with prompt lookup (ngram) and with a model drafter (early exit).
 
 Sampled requests (temperature 1) against five JSON schemas must all parse and
@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
@@ -167,6 +169,17 @@ def test_guided_extras_on_completions(spec_server):
         assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", r.json()["choices"][0]["text"]), r.json()
         r = http.post("/v1/completions", json={**body, "max_tokens": 60, "guided_json": json.dumps(SCHEMAS[0])})
         jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), SCHEMAS[0])
+        for grammar, pattern in GRAMMARS:
+            r = http.post("/v1/completions", json={**body, "guided_grammar": grammar})
+            choice = r.json()["choices"][0]
+            assert re.fullmatch(pattern, choice["text"]) and choice["finish_reason"] == "stop", (grammar, choice)
+
+
+# guided_grammar in both languages xgrammar reads, and what the output must then match.
+GRAMMARS = [
+    ('root ::= ("yes" | "no") ", " digit digit\ndigit ::= [0-9]', r"(yes|no), [0-9]{2}"),
+    ('start: WORD "-" NUM\nWORD: /[a-z]{2,5}/\nNUM: /[0-9]{3}/', r"[a-z]{2,5}-[0-9]{3}"),
+]
 
 
 def test_json_object_and_guided_json_on_chat(spec_server):
@@ -202,7 +215,9 @@ def test_named_tool_choice_returns_a_parsed_call(spec_server):
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
 
 
-def test_required_tool_choice_streams_the_call_in_the_final_deltas(spec_server):
+def test_required_tool_choice_streams_the_call_piece_by_piece(spec_server):
+    """OpenAI's delta shape: the call's id, type and name first, then its arguments'
+    text in pieces; the openai SDK assembles the same call as the unstreamed answer."""
     _, server = spec_server
     body = {
         "model": MODEL,
@@ -210,22 +225,34 @@ def test_required_tool_choice_streams_the_call_in_the_final_deltas(spec_server):
         "tools": [WEATHER, ADD],
         "tool_choice": "required",
         "max_tokens": 80,
-        "stream": True,
         "seed": 2,
     }
-    with server.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
-        events = sse_events(r)
+    with server.http() as http:
+        whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["tool_calls"][0]
+        with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            events = sse_events(r)
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas[0] == {"role": "assistant", "content": ""}
     assert not any("content" in d for d in deltas[1:]), deltas  # the call is never streamed as text
-    (with_calls,) = [d for d in deltas if "tool_calls" in d]
-    (call,) = with_calls["tool_calls"]
-    assert call["index"] == 0 and call["type"] == "function" and call["id"].startswith("call_")
-    fn = {"get_weather": WEATHER, "add": ADD}[call["function"]["name"]]["function"]
-    jsonschema.validate(json.loads(call["function"]["arguments"]), fn["parameters"])
+    pieces = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert all(len(p) == 1 for p in pieces)
+    first, *rest = [p[0] for p in pieces]
+    assert first == {"index": 0, "id": first["id"], "type": "function",
+                     "function": {"name": whole["function"]["name"], "arguments": ""}}
+    assert first["id"].startswith("call_") and len(rest) >= 3, pieces
+    assert all(p.keys() == {"index", "function"} and p["function"].keys() == {"arguments"} for p in rest)
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+    state = ChatCompletionStreamState()
+    for c in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(c))
+    (call,) = state.get_final_completion().choices[0].message.tool_calls
+    assert call.function.name == whole["function"]["name"]
+    assert json.loads(call.function.arguments) == json.loads(whole["function"]["arguments"])
+    fn = {"get_weather": WEATHER, "add": ADD}[call.function.name]["function"]
+    jsonschema.validate(json.loads(call.function.arguments), fn["parameters"])
 
 
 def test_auto_tool_choice_answers_text_or_a_call(spec_server):
@@ -255,6 +282,7 @@ TOOLS = Tools((WEATHER["function"], ADD["function"]), "auto")
         ('{"name": "add", "arguments": "1, 2"}', None),
         ("The weather is fine.", None),
         ('{"name": "add", "arguments": {"a": 1}', None),
+        ('{"name": "add", "arguments": {"a": 1}} I called add.', ["add"]),  # text after a call is ignored
     ],
 )
 def test_tool_call_format_is_parsed(text, names):
@@ -274,6 +302,10 @@ BAD_GRAMMARS = [
     ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
     ({"guided_choice": []}, "guided_choice", "non-empty"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "at most one"),
+    ({"guided_grammar": "root ::= digit"}, "guided_grammar", "not defined"),
+    ({"guided_grammar": "start: WORD\n"}, "guided_grammar", "WORD"),
+    ({"guided_grammar": "yes or no"}, "guided_grammar", "grammar"),
+    ({"guided_grammar": " "}, "guided_grammar", "empty"),
     ({"tools": [{"type": "function", "function": {}}]}, "tools", "tools[0]"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
