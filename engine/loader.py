@@ -12,6 +12,7 @@ then keeps only its shard (convert the model to safetensors to avoid it, as
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoTokenizer
 
 from engine.models.llama import LlamaForCausalLM
@@ -58,11 +59,40 @@ def load_model(
     config = load_config(path)
     if config.model_type not in SUPPORTED:
         raise ValueError(f"model type {config.model_type!r} is not supported (supported: {sorted(SUPPORTED)})")
-    with torch.device(device):
+    with torch.device("meta"):  # no memory, no initialization: the checkpoint fills the weights
         model = LlamaForCausalLM(config, tp, max_positions)
-    for p in model.parameters():  # rope tables (buffers) stay float32
-        p.data = p.data.to(dtype)
+    materialize(model, dtype, device)
     for name, tensor in _checkpoint_tensors(path):
         model.load_weight(name, tensor)
+    check_filled(model, path)
     model.prepack()
     return model.eval()
+
+
+def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Gives each parameter still on ``meta`` memory on ``device``, in ``dtype`` when it is
+    a floating-point one (tied parameters stay tied), filled with NaN until the checkpoint
+    fills it (``check_filled``); moves every buffer (computed tables, ``rotary.table_device``)
+    to ``device``. So loading holds the weights in the serving dtype only: never a float32
+    copy of them, which would double a bf16 model's peak."""
+    made: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None and p.is_meta:
+                if id(p) not in made:
+                    t = torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, device=device)
+                    made[id(p)] = nn.Parameter(t.fill_(float("nan")) if t.is_floating_point() else t, requires_grad=False)
+                m._parameters[name] = made[id(p)]
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = b.to(device)
+
+
+def check_filled(model: nn.Module, path: Path) -> None:
+    """ValueError naming the floating-point parameters the checkpoint left unfilled (NaN)."""
+    params = [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]
+    unfilled = torch.stack([p.isnan().any() for _, p in params]).tolist()  # one host sync for all
+    missing = [n for (n, _), bad in zip(params, unfilled) if bad]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks weights (or holds NaN) for {', '.join(missing[:8])}"
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))

@@ -30,17 +30,29 @@ def inv_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scaling)
 
 
+def table_device() -> torch.device:
+    """Where a computed table goes: the default device (models are built under
+    ``torch.device(...)``), but the CPU under ``meta``, whose tensors hold no values:
+    a table is computed, never loaded, so it keeps its values until
+    ``engine.loader.materialize`` moves it where the weights go."""
+    device = torch.get_default_device()
+    return torch.device("cpu") if device.type == "meta" else device
+
+
 class RotaryEmbedding(nn.Module):
-    """Applies rope to q and k at given positions, from a precomputed cos/sin table."""
+    """Applies rope to q and k at given positions, from a precomputed cos/sin table
+    (computed in float32 on the CPU, where transformers gives the frequencies)."""
 
     def __init__(self, config, head_dim: int, max_positions: int):
         super().__init__()
-        inv_freq, scaling = inv_frequencies(config, head_dim)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        device = table_device()
+        with torch.device("cpu"):  # whatever device the model is built under
+            inv_freq, scaling = inv_frequencies(config, head_dim)
+            t = torch.arange(max_positions, dtype=torch.float32)
+            freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
+            emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
+        self.register_buffer("cos", (emb.cos() * scaling).to(device), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, sin), each [T, 1, head_dim], computed once per step."""
