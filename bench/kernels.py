@@ -1,15 +1,15 @@
-"""The CPU matmul kernels of a pass, by number of tokens: why weights are prepacked
-for oneDNN with a batch-size hint of 16, and why a few rows go through our own
-C kernel instead (engine/layers/linear.py, engine/layers/cpu_kernels.py).
+"""The CPU matmul kernels of a pass, by number of tokens: what a step's rows cost through
+our C kernel (engine/layers/cpu_kernels.py, csrc/matmul.c), which runs every row count
+so that a token's bits never depend on its step, against oneDNN, which the torch path
+(``SPECSERVE_CPU_KERNELS=0``) uses.
 
     .venv/bin/python -m bench.kernels [--repeats 7]
 
-Runs the linear layers of the default model's 30 decoder layers (SmolLM2-135M
-shapes, random fp32 weights: speed does not depend on their values) over 1 to
-32 rows with oneDNN weights prepacked with hint 1 and with hint 16, with
-``F.linear`` on the plain weights, and with ``cpu_kernels.gemv`` (where it
-builds: the build for this CPU, and on an AVX-512 CPU the AVX2-only build
-too); interleaved, the minimum of the repeats.
+Runs the linear layers of the default model's 30 decoder layers (SmolLM2-135M shapes,
+random fp32 weights: speed does not depend on their values) over 1 to 256 rows with
+oneDNN (weights prepacked with a batch-size hint of 16, as the torch path does) and with
+``cpu_kernels.matmul`` (where it builds: the build for this CPU, and on an AVX-512 CPU
+the AVX2-only build too); interleaved, the minimum of the repeats.
 Writes bench/results/kernels.md and kernels.png.
 """
 
@@ -17,42 +17,37 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 
 from bench.common import RESULTS, markdown_table, write_report
 from engine.layers import cpu_kernels
 
 LAYERS = 30
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out): qkv, o, gate_up, down
-ROWS = [1, 2, 3, 4, 6, 8, 11, 16, 17, 24, 32]
+ROWS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256]
+ONEDNN = "oneDNN"
 
 
-def layer_stack(hint, lib=None):
-    """Per layer, the four matmuls as functions of x [rows, in]: oneDNN prepacked with
-    ``hint``, ``F.linear`` (None) or the C kernel ("gemv", of the library ``lib``, default
-    this CPU's build)."""
+def layer_stack(lib=None):
+    """Per layer, the four matmuls as functions of x [rows, in]: oneDNN prepacked with a hint of
+    16 (``lib`` None) or the C kernel of the library ``lib``."""
     stack = []
     for _ in range(LAYERS):
         fns = []
         for d_in, d_out in SHAPES:
             w = torch.randn(d_out, d_in)
-            if hint is None:
-                fns.append(lambda x, w=w: F.linear(x, w))
-            elif hint == "gemv":
-                fns.append(lambda x, w=cpu_kernels.kernel_weight(w, lib): gemv(lib, x, w))
-            else:
-                p = torch.ops.mkldnn._reorder_linear_weight(w, hint)
+            if lib is None:
+                p = torch.ops.mkldnn._reorder_linear_weight(w, 16)
                 fns.append(lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
+            else:
+                fns.append(lambda x, w=cpu_kernels.kernel_weight(w, lib): matmul(lib, x, w))
         stack.append(fns)
     return stack
 
 
-def gemv(lib, x, w: cpu_kernels.KernelWeight):
-    if lib is None:
-        return cpu_kernels.gemv(x, w)
+def matmul(lib, x, w: cpu_kernels.KernelWeight):
     y = torch.empty(x.shape[0], w.out_features)
-    lib.gemv_f32(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), x.shape[0], w.out_features, x.shape[1],
-                 torch.get_num_threads())
+    lib.matmul_f32(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), x.shape[0], w.out_features, x.shape[1],
+                   torch.get_num_threads())
     return y
 
 
@@ -66,43 +61,57 @@ def time_pass(stack, rows: int) -> float:
     return (time.perf_counter() - t) * 1000
 
 
+def kernels() -> dict[str, list]:
+    """The stacks to time, by name: oneDNN and each C kernel build this CPU can run."""
+    stacks = {ONEDNN: layer_stack()}
+    lib = cpu_kernels.load()
+    if lib is not None:
+        avx512 = cpu_kernels.compile_flags() != cpu_kernels.FLAGS
+        if avx512:
+            stacks["C kernel, AVX-512"] = layer_stack(lib)
+            lib = cpu_kernels.build(cpu_kernels.compiler(), cpu_kernels.FLAGS)
+        stacks["C kernel, AVX2"] = layer_stack(lib)
+    return stacks
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
-    kernels = {"oneDNN, hint 1": layer_stack(1), "oneDNN, hint 16": layer_stack(16), "F.linear": layer_stack(None)}
-    if cpu_kernels.load() is not None:
-        avx512 = cpu_kernels.compile_flags() != cpu_kernels.FLAGS
-        kernels["C kernel, AVX-512" if avx512 else "C kernel, AVX2"] = layer_stack("gemv")
-        if avx512:
-            avx2 = cpu_kernels.build(cpu_kernels.compiler(), cpu_kernels.FLAGS)
-            kernels["C kernel, AVX2"] = layer_stack("gemv", avx2)
-    best = {(k, r): float("inf") for k in kernels for r in ROWS}
+    stacks = kernels()
+    best = {(k, r): float("inf") for k in stacks for r in ROWS}
     for _ in range(args.repeats):
         for r in ROWS:
-            for name, stack in kernels.items():
+            for name, stack in stacks.items():
                 best[name, r] = min(best[name, r], time_pass(stack, r))
-    rows = [[r] + [best[k, r] for k in kernels] + [best["oneDNN, hint 16", r] / best["oneDNN, hint 16", 1]] for r in ROWS]
-    body = markdown_table(["tokens"] + [f"{k} (ms)" for k in kernels] + ["hint 16: cost / 1 token"], rows)
+    c_names = [k for k in stacks if k != ONEDNN]
+    header = ["tokens"] + [f"{k} (ms)" for k in stacks] + [f"{k}: cost / 1 token" for k in c_names]
+    header += [f"{k} / oneDNN" for k in c_names]
+    rows = [[r] + [best[k, r] for k in stacks] + [best[k, r] / best[k, 1] for k in c_names]
+            + [best[k, r] / best[ONEDNN, r] for k in c_names] for r in ROWS]
+    body = markdown_table(header, rows)
     body += ("\n\nThe matmuls of one pass through the 30 decoder layers (the output head excluded), "
-             f"minimum of {args.repeats} interleaved repeats.")
+             f"minimum of {args.repeats} interleaved repeats. The C kernel runs every row count in the "
+             "engine (one chain over k per output: a token's bits never depend on its step); oneDNN "
+             "runs them with `SPECSERVE_CPU_KERNELS=0`.")
     write_report("kernels", "CPU matmul kernels by tokens in a pass (SmolLM2-135M shapes, fp32)", body,
                  f"python -m bench.kernels --repeats {args.repeats}")
-    plot(kernels, best)
+    plot(stacks, best)
 
 
-def plot(kernels, best) -> None:
+def plot(stacks, best) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name in kernels:
+    for name in stacks:
         ax.plot(ROWS, [best[name, r] for r in ROWS], "o-", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("tokens in the pass")
     ax.set_ylabel("ms for the 30 layers' matmuls")
-    ax.set_ylim(bottom=0)
     ax.legend()
     fig.tight_layout()
     fig.savefig(RESULTS / "kernels.png", dpi=100)

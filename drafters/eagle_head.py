@@ -71,7 +71,7 @@ class EagleHead(nn.Module):
 
     def prepare_fused(self) -> None:
         """Weights are final and the head drafts on the CPU in float32: lay every matrix out
-        for ``cpu_kernels.gemv`` (``kernel_weight``, read by ``_linear``), and q, k, v and gate,
+        for ``cpu_kernels.matmul`` (``kernel_weight``, read by ``_linear``), and q, k, v and gate,
         up stacked for ``cpu_kernels.decoder_layer``, which then runs the layer in one C call.
         (A batch-1 drafting pass took 1.06 ms through the layer's 20-odd torch and kernel
         calls, most of it dispatch: the head's matmuls stream ~17 MB.)"""
@@ -167,7 +167,7 @@ class EagleHead(nn.Module):
 
 
 def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)``, through ``cpu_kernels.gemv`` when it can run (float32 on the CPU, not
+    """``layer(x)``, through ``cpu_kernels.matmul`` when it can run (float32 on the CPU, not
     under autograd: drafting, not training) and ``prepare_fused`` laid the weight out for it.
     On the bench machine (2 threads) it ran the
     default model's head 3.6x faster than torch's matmul over the unpacked weights: 0.53
@@ -176,7 +176,7 @@ def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     at 256."""
     kernel = getattr(layer, "kernel_weight", None)
     if kernel is not None and x.dim() == 2 and cpu_kernels.usable(x):
-        y = cpu_kernels.gemv(x, kernel)
+        y = cpu_kernels.matmul(x, kernel)
         return y if layer.bias is None else y + layer.bias
     return layer(x)
 

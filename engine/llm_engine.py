@@ -88,9 +88,10 @@ class LLMEngine:
         self.fault_hook: FaultHook | None = None
         self.step_fallbacks = 0  # 1 when the drafter failed in the current step
         self._grammars = None  # engine.grammar.Grammars, built at the first structured request
-        log.info("engine ready: %d KV blocks of %d tokens on %s (%s, attention %s); matmul inputs padded to %d rows, "
-                 "C matmul kernel up to %d rows%s", num_blocks, spec.block_size, device, dtype, attention.name,
-                 getattr(model, "min_rows", 1), getattr(model, "gemv_max_rows", 0),
+        c_matmul = getattr(getattr(model, "lm_head", None), "kernel", None) is not None  # laid out by prepack
+        log.info("engine ready: %d KV blocks of %d tokens on %s (%s, attention %s); matmul %s%s", num_blocks,
+                 spec.block_size, device, dtype, attention.name, "by the C kernel (batch invariant)" if c_matmul
+                 else f"by torch, inputs padded to {getattr(model, 'min_rows', 1)} rows",
                  ", each decoder layer in one C call" if getattr(model, "fused", None) else "")
 
     def tokenize(self, prompt: str) -> list[int]:

@@ -6,11 +6,12 @@ The step's tokens are one flat sequence, request after request::
     token:     0  1  2  3  4               5                6  7  8
 
 Each request ``r`` has ``context_len[r]`` tokens already in the KV cache and
-``query_len[r]`` new ones. Requests whose query is long (prefill chunks) are
-attended one by one; the rest (decodes, draft chains and trees) in padded,
-masked batches, one per query-length bucket (1, 2, 3-4, 5-8, ... tokens), so
-that a few requests verifying drafts do not pad every plain decode to their
-length.
+``query_len[r]`` new ones. For the C kernel (``listed=True``, the ``cpu`` backend)
+every token is listed with the KV slots it sees (``ListedQueries``). Otherwise requests
+whose query is long (prefill chunks) are attended one by one; the rest (decodes, draft
+chains and trees) in padded, masked batches, one per query-length bucket (1, 2, 3-4,
+5-8, ... tokens), so that a few requests verifying drafts do not pad every plain decode
+to their length.
 
 A request may carry a tree: ``parents[i]`` is the index (among its new tokens)
 of new token ``i``'s parent, -1 for a child of the last committed token. Token
@@ -49,7 +50,6 @@ class SoloQuery:
     kv_span: tuple[int, int] | None  # (first slot, length) when the slots are contiguous: a view, no gather
     mask: torch.Tensor | None  # [query_len, kv_len] bool, True = attend; None: see ``causal``
     causal: bool  # with no mask: causal over the new tokens alone (True), or every key visible (False)
-    offset: int | None = None  # a chain: new token i sees keys 0 .. offset + i (offset = context); None: a tree
 
 
 @dataclass
@@ -86,8 +86,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] slot each new token's K/V is written to
     solo: list[SoloQuery] = field(default_factory=list)
     batched: list[BatchedQuery] = field(default_factory=list)  # one per query-length bucket
-    listed: ListedQueries | None = None  # built with ``listed=True``: every short query, for the CPU kernel
-    c_kernels: bool = False  # built with ``listed=True``: the C kernels attend (long chains too, where they can)
+    listed: ListedQueries | None = None  # built with ``listed=True``: every query, for the CPU kernel
     specs: list[SeqSpec] = field(default_factory=list)  # what it was built from (other tensor-parallel ranks rebuild it)
 
     def lists_all(self, num_tokens: int) -> bool:
@@ -134,7 +133,7 @@ def token_slots(block_table: list[int], n: int, block_size: int) -> np.ndarray:
 def _solo(spec: SeqSpec, start: int, block_size: int, device) -> SoloQuery:
     end = start + spec.query_len
     if spec.context_len == 0 and spec.parents is None:
-        return SoloQuery(start, end, None, None, None, causal=True, offset=0)
+        return SoloQuery(start, end, None, None, None, causal=True)
     kv_len = spec.context_len + spec.query_len
     blocks = spec.block_table[: -(-kv_len // block_size)]
     slots = span = None
@@ -142,13 +141,12 @@ def _solo(spec: SeqSpec, start: int, block_size: int, device) -> SoloQuery:
         span = (blocks[0] * block_size, kv_len)
     else:
         slots = torch.from_numpy(token_slots(spec.block_table, kv_len, block_size)).to(device)
-    offset = None if spec.parents else spec.context_len
     if spec.query_len == 1 and spec.parents is None:
-        return SoloQuery(start, end, slots, span, None, causal=False, offset=offset)  # one token sees everything
+        return SoloQuery(start, end, slots, span, None, causal=False)  # one token sees everything
     mask = np.ones((spec.query_len, kv_len), dtype=bool)
     new = tree_mask(spec.parents) if spec.parents else np.tri(spec.query_len, dtype=bool)
     mask[:, spec.context_len :] = new
-    return SoloQuery(start, end, slots, span, torch.from_numpy(mask).to(device), causal=False, offset=offset)
+    return SoloQuery(start, end, slots, span, torch.from_numpy(mask).to(device), causal=False)
 
 
 def _batched(specs: list[SeqSpec], starts: list[int], total_tokens: int, block_size: int, device) -> BatchedQuery:
@@ -204,20 +202,20 @@ def _listed(specs: list[SeqSpec], starts: list[int], all_slots: list[np.ndarray]
 
 def build_attention_metadata(specs: list[SeqSpec], block_size: int, device="cpu", listed=False) -> AttentionMetadata:
     """Metadata for a step whose flat tokens are ``specs`` in order. ``listed`` (CPU only):
-    every request of at most ``MAX_BATCHED_QUERY`` new tokens goes to ``meta.listed``
-    instead of the padded batches."""
+    every request goes to ``meta.listed``, prefill chunks too, so that one kernel attends
+    every query of every step the same way (a token's bits never depend on its step)."""
     starts = np.concatenate([[0], np.cumsum([s.query_len for s in specs])]).tolist()
     all_slots = [token_slots(s.block_table, s.context_len + s.query_len, block_size) for s in specs]
     slot_mapping = np.concatenate([slots[s.context_len :] for s, slots in zip(specs, all_slots)])
-    meta = AttentionMetadata(torch.from_numpy(slot_mapping).to(device), specs=list(specs), c_kernels=listed)
-    short = [i for i, s in enumerate(specs) if s.query_len <= MAX_BATCHED_QUERY]
-    if listed and short:
-        meta.listed = _listed([specs[i] for i in short], [starts[i] for i in short], [all_slots[i] for i in short])
+    meta = AttentionMetadata(torch.from_numpy(slot_mapping).to(device), specs=list(specs))
+    if listed:
+        meta.listed = _listed(specs, starts[:-1], all_slots)
+        return meta
     buckets: dict[int, list[int]] = {}
     for i, s in enumerate(specs):
         if s.query_len > MAX_BATCHED_QUERY:
             meta.solo.append(_solo(s, starts[i], block_size, device))
-        elif not listed:
+        else:
             buckets.setdefault((s.query_len - 1).bit_length(), []).append(i)
     for _, group in sorted(buckets.items()):
         if len(group) == 1:  # alone in its bucket: no padding, and often no gather

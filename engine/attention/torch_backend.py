@@ -3,10 +3,8 @@
 Every other backend is tested against this one. It writes the step's new K/V
 into their slots, then gathers each request's keys and values through its
 block table and runs scaled-dot-product attention with an explicit mask; or, for
-metadata built with ``listed=True`` (the ``cpu`` backend), attends every short
-query with a C kernel straight from the cache, with no gather or padding, and
-every long chain (a prefill chunk) with a causal C kernel where there is one
-for the CPU and head size (``cpu_kernels.prefill_attention``).
+metadata built with ``listed=True`` (the ``cpu`` backend), attends every query with
+a C kernel straight from the cache, with no gather or padding.
 """
 
 import torch
@@ -30,7 +28,6 @@ def paged_attention(q, k, v, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
     if meta.listed is not None:
         ls = meta.listed
         cpu_kernels.paged_attention(q, k_flat, v_flat, ls.rows, ls.start, ls.length, ls.slots, out)
-    fast = meta.c_kernels and cpu_kernels.usable(q)  # the cpu backend, its kernels built
     for s in meta.solo:
         qs = q[s.start : s.end].transpose(0, 1)  # [H, m, D]
         if s.kv_span is not None:
@@ -39,10 +36,6 @@ def paged_attention(q, k, v, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
             ks, vs = k_flat.index_select(0, s.kv_slots), v_flat.index_select(0, s.kv_slots)
         else:
             ks, vs = k[s.start : s.end], v[s.start : s.end]
-        if fast and s.offset is not None and cpu_kernels.prefill_attention(
-            q[s.start : s.end], ks, vs, s.offset, out[s.start : s.end]
-        ):
-            continue
         o = F.scaled_dot_product_attention(  # 4-D: CPU kernels for 3-D inputs are several times slower
             qs[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
             attn_mask=s.mask, is_causal=s.causal, enable_gqa=True,

@@ -1,36 +1,21 @@
-"""CPU kernels for the few rows of a decode step, float32, x86-64 with AVX2 + FMA
-(and AVX-512 where the CPU has it).
+"""The CPU kernels, float32, x86-64 with AVX2 + FMA (and AVX-512 where the CPU has it):
+everything a step computes, at any number of tokens (docs/cpu.md).
 
-A decode step multiplies one row per request (plus its drafts) by every weight
-matrix: the time is the stream over the weights. oneDNN's skinny GEMM reads
-them at 14-22 GB/s on an AVX2 bench machine, where a plain sum over the same bytes
-runs at 30-36 GB/s; ``gemv`` streams each weight row once, with prefetching,
-and reuses it from L1 for every input row (up to 8 rows; past that, 3 x 4 tiles
-of input rows and weight rows, where arithmetic starts to count). Built with
-AVX-512 (``compile_flags``), it reads the weights in panels of 96 output features
-(``kernel_weight``, laid out once at start-up; each panel one contiguous stream,
-prefetched into L2) and multiplies up to 4 input rows at a time into them, one
-chain over k per output, the same order for every row count: a row's result is
-the same bits at any batch size (`python -m bench.kernels`).
-``paged_attention``, ``rope`` and ``silu_mul`` take the rest of a decode step's
-small ops: attention straight from the paged cache with no gather or padding
-(with AVX-512 and head sizes 64 or 128, queries and accumulators held in
-registers, and every key read once for up to 4 query vectors: a token's heads
-that share a KV head, and the rows of a draft chain, which share their
-request's keys; a 16-draft chain after 1,800 tokens took 21.5 ms of attention
-over 30 layers reading the keys row by row, now 9.7). ``engine.layers.linear.calibrate_gemv``
-times it against oneDNN on the model's own weights at start-up and uses it only
-for the row counts where it is faster.
+``matmul`` multiplies by weights laid out once in panels (``kernel_weight``): each panel
+one contiguous stream, every output one chain of FMAs over the input features in order,
+so a row's result is the same bits at any batch size and a step's few rows read the
+weights once (`python -m bench.kernels`). ``paged_attention`` attends every query straight
+from the paged cache, the keys read once for the query vectors that share them, with one
+fixed arithmetic per vector. ``rms_norm``, ``rope`` and ``silu_mul`` replace chains of
+small torch ops (each handing off to the thread pool), and ``decoder_layer`` runs a whole
+layer in one call. Together they make the engine batch invariant, bit for bit.
 
-``rms_norm`` replaces ``F.rms_norm``, which costs ~70 us per call on a few rows
-here (a chain of small kernels, each handing off to the thread pool): 61 calls
-a step made it ~4 ms of a ~45 ms decode step.
-
-The C sources (``csrc/``) are compiled once per machine and flag set with the
-system's C compiler (``compile_library``, which other kernel files can use for their own library) into ``$XDG_CACHE_HOME/specserve/kernels`` (``~/.cache`` by default) and
-loaded with ctypes, which releases the GIL during the call. Without a compiler, AVX2 or
-FMA, or with ``SPECSERVE_CPU_KERNELS=0``, ``load()`` returns None and the
-torch ops do everything; ``SPECSERVE_CPU_AVX512=0`` keeps the AVX2 build on an AVX-512 CPU.
+The C sources (``csrc/``) are compiled once per machine and flag set with the system's C
+compiler (``compile_library``, which other kernel files can use for their own library) into
+``$XDG_CACHE_HOME/specserve/kernels`` (``~/.cache`` by default) and loaded with ctypes,
+which releases the GIL during the call. Without a compiler, AVX2 or FMA, or with
+``SPECSERVE_CPU_KERNELS=0``, ``load()`` returns None and the torch ops do everything;
+``SPECSERVE_CPU_AVX512=0`` keeps the AVX2 build on an AVX-512 CPU.
 """
 
 import ctypes
@@ -125,7 +110,7 @@ def load():
 def build(compiler: str, flags: tuple[str, ...]):
     """The library compiled with ``flags`` (cached on disk), its functions typed."""
     lib = ctypes.CDLL(str(compile_library("cpu_kernels", [CSRC / f for f in SOURCES], compiler, flags)))
-    lib.gemv_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.matmul_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.weight_panel.argtypes = ()
     lib.weight_panel.restype = ctypes.c_int
     lib.rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
@@ -137,11 +122,7 @@ def build(compiler: str, flags: tuple[str, ...]):
     lib.decoder_layer_f32.argtypes = (
         [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 19 + [ctypes.c_int]
     )
-    lib.prefill_attention_f32.argtypes = (
-        [ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
-    )
-    lib.prefill_attention_f32.restype = ctypes.c_int
-    for f in (lib.gemv_f32, lib.rms_norm_f32, lib.paged_attention_f32, lib.silu_mul_f32, lib.rope_f32,
+    for f in (lib.matmul_f32, lib.rms_norm_f32, lib.paged_attention_f32, lib.silu_mul_f32, lib.rope_f32,
               lib.decoder_layer_f32):
         f.restype = None
     return lib
@@ -154,10 +135,9 @@ def usable(x: torch.Tensor) -> bool:
 
 @dataclass(frozen=True, eq=False)  # compared by identity: never tensor by tensor
 class KernelWeight:
-    """A weight [out_features, in_features] laid out as the loaded build's matmul reads it
-    (``kernel_weight``): the tensor itself for the AVX2 build; for the AVX-512 one, panels of
-    ``weight_panel()`` output features, [ceil(out / panel), in, panel] zero padded, each
-    panel one contiguous stream (csrc/cpu_kernels.c, ``gemm512``)."""
+    """A weight [out_features, in_features] laid out as the matmul reads it (``kernel_weight``):
+    panels of ``weight_panel()`` output features, [ceil(out / panel), in, panel] zero padded,
+    each panel one contiguous stream (csrc/matmul.c)."""
 
     data: torch.Tensor
     out_features: int
@@ -165,26 +145,25 @@ class KernelWeight:
 
 
 def kernel_weight(weight: torch.Tensor, lib=None) -> KernelWeight:
-    """weight [out, in] (float32, CPU) in the layout of the matmul of ``lib`` (default ``load()``,
-    which must not be None then): the tensor itself or a copy in panels, the same numbers."""
+    """weight [out, in] (float32, CPU) copied into the panels of the matmul of ``lib`` (default
+    ``load()``, which must not be None then)."""
     n, k = weight.shape
     panel = (lib or load()).weight_panel()
-    if not panel:
-        return KernelWeight(weight.contiguous(), n, k)
     panels = -(-n // panel)
     padded = weight.new_zeros(panels * panel, k)
     padded[:n] = weight
     return KernelWeight(padded.view(panels, panel, k).transpose(1, 2).contiguous(), n, k)
 
 
-def gemv(x: torch.Tensor, weight: KernelWeight) -> torch.Tensor:
+def matmul(x: torch.Tensor, weight: KernelWeight) -> torch.Tensor:
     """x [M, in] -> x @ weight.T [M, out] (float32 on the CPU; ``load()`` must not be None).
-    A row's result is the same bits whatever the other rows are."""
+    Each output is one chain of FMAs over ``in`` in order: a row's result is the same bits
+    whatever the other rows are, at any M."""
     x = x.contiguous()
     m, n, k = x.shape[0], weight.out_features, weight.in_features
     assert x.shape[1] == k
     y = torch.empty(m, n, dtype=torch.float32)
-    load().gemv_f32(x.data_ptr(), weight.data.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
+    load().matmul_f32(x.data_ptr(), weight.data.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
     return y
 
 
@@ -214,24 +193,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         length.data_ptr(), slots.data_ptr(), out.data_ptr(), rows.shape[0], h, kvh, d, scale or d**-0.5,
         torch.get_num_threads(),
     )
-
-
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, out: torch.Tensor,
-                      scale: float | None = None) -> bool:
-    """Causal attention of a chunk of new tokens after ``offset`` tokens of context, into
-    ``out``: q [m, H, D], k and v [offset + m, KVH, D] (unit strides within a row: views
-    into the cache or the fused qkv are fine), out [m, H, D] contiguous; query i sees keys
-    0 .. offset + i. Returns False, having done nothing, where there is no kernel for
-    this CPU and head size (AVX-512, D = 64 or 128): the caller attends another way."""
-    m, h, d = q.shape
-    kvh = k.shape[1]
-    for t in (q, k, v):
-        assert t.stride(2) == 1 and t.stride(1) == d
-    assert out.is_contiguous() and k.shape[0] == v.shape[0] == offset + m and h % kvh == 0
-    return bool(load().prefill_attention_f32(
-        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(), m, offset,
-        h, kvh, d, scale or d**-0.5, torch.get_num_threads(),
-    ))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -9,19 +9,16 @@ Merged layers (QKV, gate+up) hold several logical matrices stacked along the
 output dimension; ``load(shard_id, full_weight)`` copies this rank's slice of
 one of them into place.
 
-On the CPU in float32, ``prepack()`` (called once after loading) reorders each
-weight into oneDNN's blocked layout with a batch-size hint of 16; its skinny
-GEMM then streams the weights faster than ``F.linear`` (`python -m
-bench.kernels`). Whether 1-3 rows run faster padded to 4 depends on the CPU:
-the previous bench machine ran 4 rows in 14.6 ms and 1 row in 17.6 ms over
-SmolLM2's 30 layers, this one 1 row in 30 ms and 4 rows in 37 ms. So
-``calibrate_min_rows`` times the model's own matmuls at start-up and picks.
-
-Inputs of a few rows (decode and verification steps) may instead go through
-``cpu_kernels.gemv``, our C kernel, which streams the weights faster than oneDNN
-at few rows, from its own copy of them (``cpu_kernels.kernel_weight``: in panels on
-AVX-512 CPUs, the weight itself otherwise); ``calibrate_gemv`` times both at
-start-up and sets up to how many rows it is used.
+On the CPU in float32, ``prepack()`` (called once after loading) lays each weight out
+for ``cpu_kernels.matmul``, our C kernel, which then takes every input, one row or a
+prefill chunk: each output is one chain of FMAs over the input features in order, so a
+token's result is the same bits whatever else is in the step (docs/cpu.md). Without the
+kernels (no compiler, not x86 with AVX2, ``SPECSERVE_CPU_KERNELS=0``) it reorders the
+weight into oneDNN's blocked layout with a batch-size hint of 16, whose skinny GEMM
+streams the weights faster than ``F.linear``; whether 1-3 rows run faster there padded
+to 4 depends on the CPU, so ``calibrate_min_rows`` times the model's own matmuls at
+start-up and picks. oneDNN's result for a row may change in the last bits with the row
+count: that path promises agreement within a tolerance, not bits.
 """
 
 import time
@@ -36,7 +33,6 @@ from engine.parallel import SINGLE, TPGroup
 
 PACK_BATCH_HINT = 16
 PAD_CANDIDATES = (1, 2, 4)  # inputs with fewer rows than the chosen one are padded up to it
-GEMV_CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128)  # row counts at which cpu_kernels.gemv is timed against oneDNN
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -52,24 +48,25 @@ class PackedLinear(nn.Module):
     """A ``weight`` [out, in] applied as ``x @ weight.T``, through a prepacked copy when there is one."""
 
     weight: nn.Parameter
-    packed: torch.Tensor | None = None  # the weight in oneDNN's layout
-    kernel: cpu_kernels.KernelWeight | None = None  # ... and in cpu_kernels.gemv's
-    min_rows: int = 1  # pad inputs of fewer rows to this many (set by calibrate_min_rows)
-    gemv_max_rows: int = 0  # inputs of at most this many rows use cpu_kernels.gemv (set by calibrate_gemv)
+    kernel: cpu_kernels.KernelWeight | None = None  # the weight in cpu_kernels.matmul's panels
+    packed: torch.Tensor | None = None  # ... or, without the kernels, in oneDNN's layout
+    min_rows: int = 1  # oneDNN: pad inputs of fewer rows to this many (set by calibrate_min_rows)
 
     def prepack(self) -> None:
-        """Reorder the weight once for oneDNN and for the C kernel (CPU, float32); call after
-        the weights are loaded."""
-        if can_prepack(self.weight):
+        """Lay the weight out once for the C kernel, or without it for oneDNN (CPU, float32);
+        call after the weights are loaded."""
+        if not can_prepack(self.weight):
+            return
+        if cpu_kernels.load() is not None:
+            self.kernel = cpu_kernels.kernel_weight(self.weight.data)
+        else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, PACK_BATCH_HINT)
-            if cpu_kernels.load() is not None:
-                self.kernel = cpu_kernels.kernel_weight(self.weight.data)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
+        if self.kernel is not None and cpu_kernels.usable(x):
+            return cpu_kernels.matmul(x, self.kernel)
         rows = x.shape[0]
-        if rows <= self.gemv_max_rows:
-            return cpu_kernels.gemv(x, self.kernel)
         if self.packed is not None:
             if rows < self.min_rows:
                 x = torch.cat([x, x.new_zeros(self.min_rows - rows, x.shape[1])])
@@ -80,9 +77,9 @@ class PackedLinear(nn.Module):
 
 @torch.inference_mode()
 def calibrate_min_rows(layers: list[PackedLinear], repeats: int = 5) -> int:
-    """Times one row through every packed layer, padded to each of ``PAD_CANDIDATES``
+    """Times one row through every oneDNN-packed layer, padded to each of ``PAD_CANDIDATES``
     rows (interleaved, best of ``repeats``), and sets the fastest as every layer's
-    ``min_rows``. Returns it (1 when nothing is packed)."""
+    ``min_rows``. Returns it (1 when nothing is packed: the C kernel needs no padding)."""
     layers = [m for m in layers if m.packed is not None]
     if not layers:
         return 1
@@ -97,39 +94,6 @@ def calibrate_min_rows(layers: list[PackedLinear], repeats: int = 5) -> int:
     chosen = min(PAD_CANDIDATES, key=best.get)
     for m in layers:
         m.min_rows = chosen
-    return chosen
-
-
-@torch.inference_mode()
-def calibrate_gemv(layers: list[PackedLinear], repeats: int = 5, tolerance: float = 1.05) -> int:
-    """Times ``cpu_kernels.gemv`` against oneDNN (padded to each layer's ``min_rows``) over every
-    packed layer at each of ``GEMV_CANDIDATES`` rows, interleaved, best of ``repeats``;
-    sets every layer's ``gemv_max_rows`` to the largest candidate before the first one where
-    the kernel is slower by more than ``tolerance`` (a tie goes to the kernel: its rows do not
-    depend on the batch). Returns it (0: oneDNN everywhere, or no kernel; the layers then
-    drop their ``kernel`` copy)."""
-    layers = [m for m in layers if m.packed is not None and m.kernel is not None]
-    if not layers:
-        return 0
-    chosen = 0
-    for rows in GEMV_CANDIDATES:
-        inputs = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1]) for m in layers}
-        best = {"gemv": float("inf"), "onednn": float("inf")}
-        for _ in range(repeats):
-            for kernel in best:
-                for m in layers:
-                    m.gemv_max_rows = rows if kernel == "gemv" else 0
-                t = time.perf_counter()
-                for m in layers:
-                    m.matmul(inputs[m.weight.shape[1]])
-                best[kernel] = min(best[kernel], time.perf_counter() - t)
-        if best["gemv"] > tolerance * best["onednn"]:
-            break
-        chosen = rows
-    for m in layers:
-        m.gemv_max_rows = chosen
-        if not chosen:
-            m.kernel = None  # never read: free the copy (on AVX-512 it is one)
     return chosen
 
 

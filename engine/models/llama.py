@@ -19,15 +19,12 @@ from engine.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    calibrate_gemv,
     calibrate_min_rows,
 )
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.parallel import SINGLE, TPGroup
 
-
-FUSED_TOLERANCE = 1.3  # see LlamaForCausalLM.prepack
 
 
 def head_dim_of(config) -> int:
@@ -106,7 +103,7 @@ class LlamaDecoderLayer(nn.Module):
                 or attn.o_proj.tp.size > 1 or norms[0].eps != norms[1].eps):
             return None
         matrices = (attn.qkv_proj.kernel, attn.o_proj.kernel, mlp.gate_up_proj.kernel, mlp.down_proj.kernel)
-        if any(m is None for m in matrices):  # calibration freed them: the kernel never wins here
+        if any(m is None for m in matrices):  # not laid out for the kernel (not float32 on the CPU)
             return None
         return cpu_kernels.layer_args(w.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                       mlp.down_proj.weight.shape[1], norms[0].eps, (norms[0].weight.data,
@@ -123,8 +120,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, tp: TPGroup = SINGLE, max_positions: int | None = None):
         super().__init__()
         self.config = config
-        self.min_rows = 1  # CPU matmul inputs of fewer rows are padded (set by prepack)
-        self.gemv_max_rows = 0  # ... and inputs of at most this many rows use cpu_kernels.gemv (set by prepack)
+        self.min_rows = 1  # oneDNN matmul inputs of fewer rows are padded (set by prepack)
         self.fused: list[tuple] | None = None  # per layer, cpu_kernels.layer_args (set by prepack)
         max_positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
@@ -165,35 +161,24 @@ class LlamaForCausalLM(nn.Module):
         return hidden, torch.cat([taken[i] for i in capture], dim=-1)
 
     def prepack(self) -> None:
-        """Weights are final: let the linear layers reorder them for the CPU kernels,
-        time whether short inputs run faster padded (``calibrate_min_rows``) or
-        through the C kernel (``calibrate_gemv``), and take the layers' addresses for
-        whole-layer kernel calls (``fused``)."""
+        """Weights are final: let the linear layers lay them out for the C matmul (or, without
+        it, for oneDNN, timing whether short inputs run faster padded: ``calibrate_min_rows``),
+        and take the layers' addresses for whole-layer kernel calls (``fused``)."""
         linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
         for module in linears:
             module.prepack()
         self.min_rows = calibrate_min_rows(linears)
         fused = [layer.fused_args() for layer in self.layers]
-        fusable = all(fused) and bool(fused)
-        # A fused layer also saves the dispatch between its ops (~2.5 ms of an ~11 ms pass at
-        # one row on the bench machine): there, the kernel wins ties within FUSED_TOLERANCE.
-        # Whole passes on the AVX-512 bench machine, one process, 16 decoding requests: fused
-        # 25.6 ms, unfused with oneDNN 27.2 (24 requests: 32.0 against 32.8), while the matmuls
-        # alone are 1.12-1.15x oneDNN's from 16 to 32 rows. At 1.15 the start-up timing's noise
-        # put the cut at 8 rows in one server and at 64 in the next.
-        tolerance = FUSED_TOLERANCE if fusable else 1.05
-        self.gemv_max_rows = calibrate_gemv([m for m in linears if m is not self.lm_head], tolerance=tolerance)
-        calibrate_gemv([self.lm_head])  # the head on its own: never part of a fused layer
-        self.fused = fused if fusable and self.gemv_max_rows else None
+        self.fused = fused if fused and all(fused) else None
 
     def _fused_inputs(self, hidden, rope, meta) -> tuple | None:
         """``cpu_kernels.step_args``' tensors when this step runs every layer in one C call
-        each: a decode or verification step (every token attended through listed KV slots)
-        of at most ``gemv_max_rows`` tokens, float32 on the CPU outside autograd. Those
-        calls make the same kernel calls as the layer modules, so the results are the same."""
+        each: every token attended through listed KV slots, float32 on the CPU outside
+        autograd. Those calls make the same kernel calls as the layer modules, so the
+        results are the same."""
         t = hidden.shape[0]
         if (self.fused is None or not isinstance(meta, AttentionMetadata) or not meta.lists_all(t)
-                or t > self.gemv_max_rows or not cpu_kernels.usable(hidden)):
+                or not cpu_kernels.usable(hidden)):
             return None
         attn = self.layers[0].self_attn
         size = cpu_kernels.scratch_size(t, hidden.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim,

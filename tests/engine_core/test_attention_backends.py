@@ -185,12 +185,12 @@ def test_flash_attn_is_auto_on_cuda_when_installed(monkeypatch):
     ids=["d8", "d64-gqa3", "d64-gqa5", "d128-gqa5", "d20-mha"],
 )
 def test_cpu_backend_matches_the_dense_reference(head_dim, heads, kernel_build):
-    """Every short query (decodes, chains, trees, forests) through the C kernel (AVX-512 passes of
-    4 heads at D = 64 and 2 at D = 128, with a remainder; AVX2 for other D), the long ones through
-    SDPA; q a strided view of a fused qkv, as the model passes it."""
+    """Every query (decodes, chains, trees, forests, long prefill chunks) through the C kernel
+    (AVX-512 passes of 4 heads at D = 64 and 2 at D = 128, with a remainder; AVX2 for other D);
+    q a strided view of a fused qkv, as the model passes it."""
     p = make_problem(head_dim=head_dim, num_heads=heads[0], num_kv_heads=heads[1])
     meta = CPU.build_metadata(p.specs, 4)
-    assert meta.listed is not None and not meta.batched and len(meta.solo) == 3  # the three long queries
+    assert meta.lists_all(len(p.q)) and not meta.batched and not meta.solo
     qkv = torch.cat([p.q.flatten(1), p.k.flatten(1)], dim=1)
     q = qkv[:, : p.q[0].numel()].view_as(p.q)
     out = paged_attention(q, p.k, p.v, (p.k_cache, p.v_cache), meta)

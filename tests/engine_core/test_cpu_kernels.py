@@ -1,15 +1,14 @@
-"""The CPU kernels for few-row inputs: same numbers as torch (``x @ w.T`` and the rest),
-a row's result independent of the batch, and start-up calibration uses the matmul only
-up to one of the timed row counts. The kernel tests run against the build for this CPU
-and, where that one has AVX-512, against the AVX2-only build too (``kernel_build``)."""
+"""The CPU kernels: same numbers as torch (``x @ w.T`` and the rest), and a row's result
+independent of the batch: the matmul's at any row count, the attention's whatever other
+queries share the step. The kernel tests run against the build for this CPU and, where that
+one has AVX-512, against the AVX2-only build too (``kernel_build``)."""
 
 import pytest
 import torch
 
 from engine.layers import cpu_kernels
-from engine.layers.linear import GEMV_CANDIDATES, ColumnParallelLinear, calibrate_gemv, can_prepack
+from engine.layers.linear import ColumnParallelLinear
 from tests.engine_core.conftest import AVX512_BUILD
-from tests.engine_core.test_linear_padding import _packed_layer
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2/FMA CPU or no C compiler")
 
@@ -18,44 +17,65 @@ needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2/FM
 @pytest.mark.parametrize(
     "m, n, k",
     [(1, 96, 64), (2, 7, 33), (3, 576, 576), (4, 5, 1536), (5, 130, 100), (8, 64, 31), (9, 3, 40), (10, 130, 100),
-     (16, 64, 576), (33, 9, 37)],
+     (16, 64, 576), (33, 9, 37), (70, 100, 64), (200, 50, 30)],
 )
-def test_gemv_matches_matmul(m, n, k, kernel_build):
+def test_matmul_matches_torch(m, n, k, kernel_build):
     """Odd row and feature counts, K not a multiple of the vector width, more rows than one block."""
     g = torch.Generator().manual_seed(m * 1000 + n)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     kw = cpu_kernels.kernel_weight(w)
-    torch.testing.assert_close(cpu_kernels.gemv(x, kw), x @ w.T, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cpu_kernels.matmul(x, kw), x @ w.T, rtol=1e-4, atol=1e-4)
 
 
 @needs_kernel
-def test_gemv_reads_a_non_contiguous_input(kernel_build):
+def test_matmul_reads_a_non_contiguous_input(kernel_build):
     x = torch.randn(16, 64)[::4]  # rows of a larger tensor
     w = torch.randn(10, 64)
     kw = cpu_kernels.kernel_weight(w)
-    torch.testing.assert_close(cpu_kernels.gemv(x, kw), x @ w.T, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cpu_kernels.matmul(x, kw), x @ w.T, rtol=1e-4, atol=1e-4)
 
 
 @needs_kernel
-@pytest.mark.skipif(not can_prepack(torch.empty(1)), reason="oneDNN prepacking needs the CPU float32 path")
-def test_calibration_picks_a_candidate_and_the_layer_routes_by_rows():
-    layers = [_packed_layer(s) for s in range(3)]
-    chosen = calibrate_gemv(layers, repeats=2)
-    assert chosen in (0, *GEMV_CANDIDATES)
-    assert {m.gemv_max_rows for m in layers} == {chosen}
-    assert all((m.kernel is None) == (chosen == 0) for m in layers)  # an unused copy is freed
-    layer = layers[0]
-    layer.kernel = cpu_kernels.kernel_weight(layer.weight.data)
-    layer.gemv_max_rows = 4
-    for rows in (1, 4, 5, 16):  # 1 and 4 through the kernel, 5 and 16 through oneDNN
-        x = torch.randn(rows, 64)
-        torch.testing.assert_close(layer(x), x @ layer.weight.T, rtol=1e-4, atol=1e-4)
+def test_matmul_row_results_do_not_depend_on_the_batch(kernel_build):
+    """A row's bits are the same alone and at any place among any number of other rows (row
+    groups of 4, work items of 64 rows), and equal to one FMA chain over k in order."""
+    g = torch.Generator().manual_seed(7)
+    w, x = torch.randn(50, 200, generator=g), torch.randn(150, 200, generator=g)
+    kw = cpu_kernels.kernel_weight(w)
+    alone = torch.cat([cpu_kernels.matmul(x[i : i + 1], kw) for i in range(150)])
+    for m in (2, 3, 4, 5, 7, 8, 9, 17, 64, 65, 150):
+        assert torch.equal(cpu_kernels.matmul(x[:m], kw), alone[:m])
+    assert torch.equal(cpu_kernels.matmul(x[37:101], kw), alone[37:101])
+    chain = torch.zeros(3, 50, dtype=torch.float64)  # the chain in float64, each step rounded to float32 by FMA
+    for j in range(200):
+        chain = (chain + x[:3, j : j + 1].double() * w[:, j].double()).float().double()
+    assert torch.equal(alone[:3], chain.float())
 
 
-def test_calibration_without_packed_layers_uses_no_kernel():
-    layer = ColumnParallelLinear(8, [8])  # never prepacked
-    assert calibrate_gemv([layer]) == 0
-    assert layer.gemv_max_rows == 0
+@needs_kernel
+@pytest.mark.skipif(not AVX512_BUILD, reason="this CPU's build is the AVX2 one")
+def test_matmul_gives_the_same_bits_in_the_avx2_and_avx512_builds():
+    avx2 = cpu_kernels.build(cpu_kernels.compiler(), cpu_kernels.FLAGS)
+    g = torch.Generator().manual_seed(8)
+    w, x = torch.randn(130, 100, generator=g), torch.randn(9, 100, generator=g)
+    y = torch.empty(9, 130)
+    wa = cpu_kernels.kernel_weight(w, avx2)
+    avx2.matmul_f32(x.data_ptr(), wa.data.data_ptr(), y.data_ptr(), 9, 130, 100, 2)
+    assert torch.equal(cpu_kernels.matmul(x, cpu_kernels.kernel_weight(w)), y)
+
+
+@needs_kernel
+def test_a_prepacked_layer_sends_every_row_count_through_the_kernel(monkeypatch):
+    layer = ColumnParallelLinear(64, [96])
+    layer.load(0, torch.randn(96, 64))
+    layer.prepack()
+    assert layer.kernel is not None and layer.packed is None  # no oneDNN copy beside it
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "matmul", lambda x, w: calls.append(len(x)) or x @ layer.weight.T)
+    with torch.inference_mode():
+        for rows in (1, 4, 5, 16, 300):
+            layer(torch.randn(rows, 64))
+    assert calls == [1, 4, 5, 16, 300]
 
 
 @needs_kernel
@@ -80,28 +100,6 @@ def test_rms_norm_module_uses_the_kernel_only_outside_autograd():
         torch.testing.assert_close(norm(x), torch.nn.functional.rms_norm(x, (64,), norm.weight, 1e-6))
     norm(x).sum().backward()  # with autograd on: torch's op, so the weight gets a gradient
     assert norm.weight.grad is not None
-
-
-@needs_kernel
-def test_gemv_row_results_do_not_depend_on_the_batch(kernel_build):
-    """A row's bits are the same alone and at any position among other rows (batch
-    invariance, and drafts verified beside their own last token): up to 8 rows in the
-    AVX2 build, and from 9 rows on; at any row count in the AVX-512 one."""
-    g = torch.Generator().manual_seed(7)
-    w, x = torch.randn(50, 200, generator=g), torch.randn(7, 200, generator=g)
-    kw = cpu_kernels.kernel_weight(w)
-    alone = torch.cat([cpu_kernels.gemv(x[i : i + 1], kw) for i in range(7)])
-    for m in range(1, 8):
-        assert torch.equal(cpu_kernels.gemv(x[:m], kw), alone[:m])
-    # Past 8 rows (many requests) the tiled kernel: again one order for every row count.
-    x = torch.randn(20, 200, generator=g)
-    full = cpu_kernels.gemv(x, kw)
-    for m in (9, 10, 11, 12, 17):
-        assert torch.equal(cpu_kernels.gemv(x[:m], kw), full[:m])
-    if kernel_build == "native" and AVX512_BUILD:
-        alone = torch.cat([cpu_kernels.gemv(x[i : i + 1], kw) for i in range(20)])
-        for m in (2, 3, 4, 5, 8, 9, 13, 20):
-            assert torch.equal(cpu_kernels.gemv(x[:m], kw), alone[:m])
 
 
 @needs_kernel
@@ -141,10 +139,10 @@ def test_paged_attention_of_a_token_does_not_depend_on_the_others(kernel_build):
 
 
 @needs_kernel
-@pytest.mark.parametrize("c, m", [(37, 7), (150, 33)], ids=["in-registers", "key-blocks"])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 2, 128), (6, 6, 64), (4, 2, 48)])
-def test_paged_attention_of_a_draft_chain_gives_each_row_its_bits_alone(kernel_build, heads, kv_heads, head_dim, c, m):
-    """The rows of a chain share their request's list and are attended together (with
+@pytest.mark.parametrize("c, m", [(37, 7), (150, 33), (0, 80)], ids=["in-registers", "key-blocks", "prefill"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 2, 128), (6, 6, 64), (4, 2, 48), (3, 1, 36)])
+def test_paged_attention_of_a_chain_gives_each_row_its_bits_alone(kernel_build, heads, kv_heads, head_dim, c, m):
+    """The rows of a draft chain or a prefill chunk share their request's list and are attended together (with
     AVX-512, up to 4 query vectors in registers; with many rows, up to 16 a work item,
     the keys in blocks of 64, read once for all of them): row i still gets the bits of
     one query after c + i keys, and the softmax over exactly those keys."""
@@ -178,9 +176,6 @@ def test_fused_layers_give_the_bits_of_the_layer_modules(tiny_model, kernel_buil
     model = tiny_model(hidden_size=heads[0] * head_dim, num_attention_heads=heads[0], num_key_value_heads=heads[1],
                        intermediate_size=200)
     model.prepack()
-    for m in model.modules():
-        if hasattr(m, "gemv_max_rows"):  # the linear layers and the model
-            m.gemv_max_rows = 8
     fused = [layer.fused_args() for layer in model.layers]
     assert all(fused)
     kv = scratch_cache(model, 16, 4)
@@ -212,36 +207,6 @@ def test_fused_layers_give_the_bits_of_the_layer_modules(tiny_model, kernel_buil
 
 
 @needs_kernel
-@pytest.mark.parametrize("heads, head_dim", [((9, 3), 64), ((4, 1), 128), ((2, 2), 64)])
-@pytest.mark.parametrize("offset, m", [(0, 1), (0, 100), (37, 70), (200, 17), (64, 64), (0, 300)])
-def test_prefill_attention_matches_causal_attention_over_the_context(kernel_build, heads, head_dim, offset, m):
-    """A chunk of m new tokens after ``offset`` of context: token i sees keys 0 .. offset + i
-    (key blocks of 64 cut anywhere, query tiles of 16 cut anywhere); q, k, v strided views
-    of fused rows, as the model passes them. Where the build has no kernel (AVX2), False."""
-    (h, kvh), d = heads, head_dim
-    g = torch.Generator().manual_seed(offset * 7 + m)
-    q = torch.randn(m, h + 1, d, generator=g)[:, :h]
-    kv = torch.randn(offset + m, 2 * kvh + 1, d, generator=g)
-    k, v = kv[:, :kvh], kv[:, kvh : 2 * kvh]
-    out = torch.empty(m, h, d)
-    if not cpu_kernels.prefill_attention(q, k, v, offset, out):
-        assert kernel_build == "avx2" or not AVX512_BUILD
-        return
-    visible = torch.ones(m, offset + m, dtype=torch.bool)
-    visible[:, offset:] = torch.tril(torch.ones(m, m, dtype=torch.bool))
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=visible, enable_gqa=True
-    )[0].transpose(0, 1)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
-
-
-@needs_kernel
-def test_prefill_attention_declines_other_head_sizes():
-    q, k, v = torch.randn(5, 2, 48), torch.randn(5, 2, 48), torch.randn(5, 2, 48)
-    assert not cpu_kernels.prefill_attention(q, k, v, 0, torch.empty(5, 2, 48))
-
-
-@needs_kernel
 @pytest.mark.parametrize("bias, qk_norm", [(True, False), (False, True), (True, True)])
 def test_fused_layer_adds_the_qkv_bias_and_normalizes_each_q_and_k_head(kernel_build, bias, qk_norm):
     """``decoder_layer`` with a qkv bias and per-head q/k norms (Qwen2, Qwen3) gives the bits of
@@ -260,7 +225,7 @@ def test_fused_layer_adds_the_qkv_bias_and_normalizes_each_q_and_k_head(kernel_b
                torch.randn(2, 4, KVH, D, generator=torch.Generator().manual_seed(2))) for _ in range(2)]
     # the kernels one by one
     k_flat, v_flat = (c.view(-1, KVH, D) for c in caches[0])
-    qkv = cpu_kernels.gemv(cpu_kernels.rms_norm(x, ln1, eps), kernels[0])
+    qkv = cpu_kernels.matmul(cpu_kernels.rms_norm(x, ln1, eps), kernels[0])
     if bias:
         qkv = qkv + b_qkv
     qk = qkv[:, : (H + KVH) * D]
@@ -271,8 +236,8 @@ def test_fused_layer_adds_the_qkv_bias_and_normalizes_each_q_and_k_head(kernel_b
     k_flat[slot_mapping], v_flat[slot_mapping] = qk[:, H:], qkv[:, (H + KVH) * D :].view(T, KVH, D)
     att = torch.empty(T, H, D)
     cpu_kernels.paged_attention(qk[:, :H], k_flat, v_flat, rows, start, length, slots, att)
-    h = x + cpu_kernels.gemv(att.view(T, -1), kernels[1])
-    ref = h + cpu_kernels.gemv(cpu_kernels.silu_mul(cpu_kernels.gemv(cpu_kernels.rms_norm(h, ln2, eps), kernels[2])),
+    h = x + cpu_kernels.matmul(att.view(T, -1), kernels[1])
+    ref = h + cpu_kernels.matmul(cpu_kernels.silu_mul(cpu_kernels.matmul(cpu_kernels.rms_norm(h, ln2, eps), kernels[2])),
                                kernels[3])
     # one call
     layer = cpu_kernels.layer_args(Hd, H, KVH, D, inter, eps, (ln1, ln2), kernels, b_qkv if bias else None,

@@ -1,9 +1,16 @@
-"""CPU matmul padding: results do not depend on it, and start-up picks one of the candidates."""
+"""oneDNN's matmul padding (the path without the C kernels): results do not depend on it
+beyond rounding, and start-up picks one of the candidates."""
 
 import pytest
 import torch
 
+from engine.layers import cpu_kernels
 from engine.layers.linear import PAD_CANDIDATES, ColumnParallelLinear, calibrate_min_rows, can_prepack
+
+
+@pytest.fixture(autouse=True)
+def no_kernels(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
 
 
 def _packed_layer(seed: int) -> ColumnParallelLinear:
@@ -11,6 +18,7 @@ def _packed_layer(seed: int) -> ColumnParallelLinear:
     layer = ColumnParallelLinear(64, [96])
     layer.load(0, torch.randn(96, 64, generator=g))
     layer.prepack()
+    assert layer.packed is not None and layer.kernel is None
     return layer
 
 

@@ -10,20 +10,19 @@
  * Query head h reads KV head h / (H / KVH).
  *
  * A query vector is one (token, query head). The vectors that read the same KV head
- * over the same list (the H / KVH heads of a token; with AVX-512, also the consecutive
- * tokens listed with the same start: a draft chain's rows, or a tree path's nodes, with
- * lengths c + 1, c + 2, ...) are attended together: up to 4 in registers (D = 64; 2 for
- * D = 128), each key and value read once for all of them; past that, up to 16 in a work
- * item (attend_blocked512), the keys in blocks that every group of 4 reads from L1. A
- * chain of 16 drafts (17 rows) read each KV head's keys 51 times a layer, one vector at
- * a time; then 13; now 4 (fewer items would leave a core idle at batch 1). A vector's
- * arithmetic is the same whoever shares its work item (keys past its own length get
- * weight 0), in list order, so a token's result never depends on the other tokens of
- * the step. */
+ * over the same list (the H / KVH heads of a token, and the consecutive tokens listed
+ * with the same start: a prefill chunk's or a draft chain's rows, or a tree path's nodes,
+ * with lengths c + 1, c + 2, ...) are attended together, up to MAXR in a work item, each
+ * key and value read once for several of them (with AVX-512 and D = 64 or 128: up to 4
+ * in registers, attend512, or blocks of keys that every group of 4 reads from L1,
+ * attend_blocked512; otherwise attend256, groups of 4). Fewer vectors a work item keep
+ * both cores busy at batch 1. A vector's arithmetic is the same whoever shares its work
+ * item (keys past its own length get weight 0), in list order, so a token's result never
+ * depends on the other tokens of the step. */
+#define MAXR 16 /* query vectors per work item, attended in groups, keys in blocks */
+#define KB 64 /* keys per block (16 KB of keys at D = 64): in L1 for every group of a work item */
 #ifdef __AVX512F__
 #define MAXV 4 /* query vectors attended in registers together (D = 64; 2 for D = 128) */
-#define MAXR 16 /* query vectors per work item, attended in groups of MAXV, keys in blocks */
-#define KB 64 /* keys per block (16 KB of keys at D = 64): in L1 for every group of a work item */
 #define PF 8 /* keys ahead to prefetch */
 
 /* One query vector's scores sr [Lmax] -> exp(score - mx) over its own L keys, 0 past
@@ -222,19 +221,116 @@ static void attend512_vectors(const float *const *q, const int64_t *L, int64_t L
 }
 #endif
 
+/* The AVX2 path (any head size; with AVX-512, head sizes other than 64 and 128): a work item's
+ * nv (<= MAXR) query vectors of KV head g over one list, in the three passes of attend512 with
+ * keys in blocks of KB read from L1 by every group of 4 vectors. Per vector the arithmetic and
+ * its order are fixed: score = hsum of an 8-lane FMA chain over d (then a scalar FMA tail), the
+ * max over its own keys, exp and their sum 8 keys at a time, the values' FMA chain over j per
+ * dimension, one division at the end; so a vector's bits never depend on who shares its item. */
+#define AVX2_GROUP 4 /* query vectors whose scores share each key's loads */
+
+/* Scores of R (<= AVX2_GROUP) scaled query vectors qs (rows of D) against key kj. */
+static inline __attribute__((always_inline)) void scores256(const float *qs, int R, const float *kj, int64_t D,
+                                                             float *out) {
+    __m256 s[AVX2_GROUP];
+    for (int r = 0; r < R; r++) s[r] = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+        const __m256 k = _mm256_loadu_ps(kj + d);
+        for (int r = 0; r < R; r++) s[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + r * D + d), k, s[r]);
+    }
+    for (int r = 0; r < R; r++) {
+        float x = hsum(s[r]);
+        for (int64_t t = d; t < D; t++) x = fmaf(qs[r * D + t], kj[t], x);
+        out[r] = x;
+    }
+}
+
+/* exp(score - mx) in place over a vector's own L keys, 0 from there to Lmax; returns their sum. */
+static float softmax256(float *sr, int64_t L, int64_t Lmax, float mx) {
+    const __m256 m = _mm256_set1_ps(mx), lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 t = _mm256_setzero_ps();
+    for (int64_t j = 0; j < L; j += 8) {
+        const __m256 keep = _mm256_cmp_ps(lane, _mm256_set1_ps((float)(L - j)), _CMP_LT_OQ);
+        const __m256 e = _mm256_and_ps(keep, exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + j), m)));
+        _mm256_storeu_ps(sr + j, e);
+        t = _mm256_add_ps(t, e);
+    }
+    for (int64_t j = L; j < Lmax; j++) sr[j] = 0.0f;
+    return hsum(t);
+}
+
+/* acc [D] += sum over keys j0 .. j1 - 1 of e[j] * value j: an FMA chain over j per dimension. */
+static void values256(const float *e, int64_t j0, int64_t j1, const float *v_cache, const int64_t *sl, int64_t KVH,
+                      int64_t g, int64_t D, float *acc) {
+    int64_t d = 0;
+    for (; d + 64 <= D; d += 64) {
+        __m256 a[8];
+        for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(acc + d + 8 * c);
+        for (int64_t j = j0; j < j1; j++) {
+            const float *vj = v_cache + (sl[j] * KVH + g) * D + d;
+            const __m256 w = _mm256_set1_ps(e[j]);
+            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 8 * c), a[c]);
+        }
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + d + 8 * c, a[c]);
+    }
+    for (; d < D; d++)
+        for (int64_t j = j0; j < j1; j++) acc[d] = fmaf(e[j], v_cache[(sl[j] * KVH + g) * D + d], acc[d]);
+}
+
+#define SCORES256(R) scores256(qs + r0 * D, R, kj, D, x)
+static void attend256(const float *const *q, const int64_t *L, int64_t Lmax, int nv, const float *k_cache,
+                      const float *v_cache, const int64_t *sl, int64_t KVH, int64_t g, float scale, float *scores,
+                      int64_t ss, float *qs, float *acc, float *const *o, int64_t D) {
+    float mx[MAXR], total[MAXR], x[AVX2_GROUP];
+    for (int r = 0; r < nv; r++) {
+        mx[r] = -INFINITY;
+        for (int64_t d = 0; d < D; d++) qs[r * D + d] = q[r][d] * scale;
+        for (int64_t d = 0; d < D; d++) acc[r * D + d] = 0.0f;
+    }
+    for (int64_t j0 = 0; j0 < Lmax; j0 += KB) {
+        const int64_t j1 = j0 + KB < Lmax ? j0 + KB : Lmax;
+        for (int r0 = 0; r0 < nv; r0 += AVX2_GROUP) {
+            const int rn = nv - r0 < AVX2_GROUP ? nv - r0 : AVX2_GROUP;
+            for (int64_t j = j0; j < j1; j++) {
+                const float *kj = k_cache + (sl[j] * KVH + g) * D;
+                switch (rn) {
+                case 1: SCORES256(1); break;
+                case 2: SCORES256(2); break;
+                case 3: SCORES256(3); break;
+                default: SCORES256(4); break;
+                }
+                for (int r = 0; r < rn; r++) {
+                    scores[(r0 + r) * ss + j] = x[r];
+                    mx[r0 + r] = j < L[r0 + r] && x[r] > mx[r0 + r] ? x[r] : mx[r0 + r];
+                }
+            }
+        }
+    }
+    for (int r = 0; r < nv; r++) total[r] = softmax256(scores + r * ss, L[r], Lmax, mx[r]);
+    for (int64_t j0 = 0; j0 < Lmax; j0 += KB) {
+        const int64_t j1 = j0 + KB < Lmax ? j0 + KB : Lmax;
+        for (int r = 0; r < nv; r++) values256(scores + r * ss, j0, j1, v_cache, sl, KVH, g, D, acc + r * D);
+    }
+    for (int r = 0; r < nv; r++) {
+        const float inv = 1.0f / total[r];
+        for (int64_t d = 0; d < D; d++) o[r][d] = acc[r * D + d] * inv;
+    }
+}
+
 /* One work item: the KV head g of the vectors v0 .. v0 + nv - 1 of the tokens from
  * ``first`` on (vector v: token first + v / rep, query head g * rep + v % rep). */
 typedef struct {
     int64_t first, g, v0, nv;
 } AttnItem;
 
-/* The work items: tokens that share a list (same start) grouped when ``grouped``, their
- * vectors cut into items of at most ``per_item``; returns how many (at most n * H). */
-static int64_t attention_items(const int64_t *start, int64_t n, int64_t KVH, int64_t rep, int grouped,
-                               int64_t per_item, AttnItem *items) {
+/* The work items: tokens that share a list (same start) grouped, their vectors cut into
+ * items of at most ``per_item``; returns how many (at most n * H). */
+static int64_t attention_items(const int64_t *start, int64_t n, int64_t KVH, int64_t rep, int64_t per_item,
+                               AttnItem *items) {
     int64_t count = 0;
     for (int64_t i = 0, e; i < n; i = e) {
-        for (e = i + 1; grouped && e < n && start[e] == start[i];) e++;
+        for (e = i + 1; e < n && start[e] == start[i];) e++;
         const int64_t nvec = (e - i) * rep;
         for (int64_t g = 0; g < KVH; g++)
             for (int64_t v0 = 0; v0 < nvec; v0 += per_item)
@@ -249,233 +345,52 @@ void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
     const int64_t rep = H / KVH;
     int64_t max_len = 1;
     for (int64_t i = 0; i < n; i++) max_len = len[i] > max_len ? len[i] : max_len;
-    int grouped = 0;
-    int64_t per_item = rep; /* the portable path: one token's query heads of a KV head */
+    int in_regs = AVX2_GROUP; /* vectors whose keys are read once in one pass */
 #ifdef __AVX512F__
-    const int in_regs = D == 64 ? MAXV : 2; /* vectors attend512 holds in registers */
-    if (D == 64 || D == 128) {
-        grouped = 1;
-        /* Blocked items of up to MAXR vectors read the keys once for all of them, but are
-         * fewer: keep at least four items a thread (a request's 17-row chain, 51 vectors a
-         * KV head, gives 12 items of 16 at batch 1; one row, 3 vectors, one item as before). */
-        const int64_t vectors = n * rep * KVH;
-        per_item = MAXR;
-        while (per_item > in_regs && vectors / per_item < 4 * num_threads) per_item /= 2;
-        per_item = per_item < in_regs ? in_regs : per_item;
-    }
+    const int wide = D == 64 || D == 128; /* attend512 and attend_blocked512 */
+    if (wide) in_regs = D == 64 ? MAXV : 2;
 #endif
+    /* Items of up to MAXR vectors read the keys once for all of them, but are fewer: keep at
+     * least four items a thread (a request's 17-row chain, 51 vectors a KV head, gives 12
+     * items of 16 at batch 1; one row, 3 vectors, one item). */
+    const int64_t vectors = n * rep * KVH;
+    int64_t per_item = MAXR;
+    while (per_item > in_regs && vectors / per_item < 4 * num_threads) per_item /= 2;
+    per_item = per_item < in_regs ? in_regs : per_item;
     AttnItem *items = malloc(sizeof(AttnItem) * n * H);
-    const int64_t count = attention_items(start, n, KVH, rep, grouped, per_item, items);
-    const int64_t rows_per_item = per_item > rep ? per_item : rep, ss = max_len + 16;
+    const int64_t count = attention_items(start, n, KVH, rep, per_item, items), ss = max_len + 16;
     #pragma omp parallel num_threads(count > 1 ? num_threads : 1)
     {
-        float *scores = malloc(sizeof(float) * (rows_per_item * ss + rows_per_item * D));
-        float *acc = scores + rows_per_item * ss;
+        float *scores = malloc(sizeof(float) * (MAXR * ss + 2 * MAXR * D));
+        float *acc = scores + MAXR * ss, *qs = acc + MAXR * D;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < count; it++) {
             const AttnItem w = items[it];
             const int64_t g = w.g;
             const int64_t *sl = slots + start[w.first];
+            const float *qp[MAXR];
+            float *op[MAXR];
+            int64_t L[MAXR], Lmax = 0;
+            for (int64_t v = 0; v < w.nv; v++) {
+                const int64_t i = w.first + (w.v0 + v) / rep, h = g * rep + (w.v0 + v) % rep;
+                qp[v] = q + rows[i] * q_stride + h * D;
+                op[v] = out + (rows[i] * H + h) * D;
+                L[v] = len[i];
+                Lmax = L[v] > Lmax ? L[v] : Lmax;
+            }
 #ifdef __AVX512F__
-            if (grouped) {
-                const float *qp[MAXR];
-                float *op[MAXR];
-                int64_t L[MAXR], Lmax = 0;
-                for (int64_t v = 0; v < w.nv; v++) {
-                    const int64_t i = w.first + (w.v0 + v) / rep, h = g * rep + (w.v0 + v) % rep;
-                    qp[v] = q + rows[i] * q_stride + h * D;
-                    op[v] = out + (rows[i] * H + h) * D;
-                    L[v] = len[i];
-                    Lmax = L[v] > Lmax ? L[v] : Lmax;
-                }
-                if (w.nv > in_regs)
-                    attend_blocked512(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, acc,
-                                      op, D);
-                else
-                    attend512_vectors(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, op,
-                                      D);
+            if (wide && w.nv > in_regs) {
+                attend_blocked512(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, acc, op, D);
+                continue;
+            }
+            if (wide) {
+                attend512_vectors(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, op, D);
                 continue;
             }
 #endif
-            const int64_t i = w.first, L = len[i];
-            const float *qi = q + rows[i] * q_stride + g * rep * D;
-            for (int64_t j = 0; j < L; j++) {
-                const float *kj = k_cache + (sl[j] * KVH + g) * D;
-                for (int64_t r = 0; r < rep; r++) scores[r * ss + j] = dot(qi + r * D, kj, D) * scale;
-            }
-            for (int64_t r = 0; r < rep; r++) {
-                float *s = scores + r * ss;
-                float m = -INFINITY, total = 0.0f;
-                for (int64_t j = 0; j < L; j++) m = s[j] > m ? s[j] : m;
-                int64_t j = 0;
-                __m256 vm = _mm256_set1_ps(m), vt = _mm256_setzero_ps();
-                for (; j + 8 <= L; j += 8) {
-                    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
-                    _mm256_storeu_ps(s + j, e);
-                    vt = _mm256_add_ps(vt, e);
-                }
-                total = hsum(vt);
-                for (; j < L; j++) {
-                    s[j] = exp1(s[j] - m);
-                    total += s[j];
-                }
-                for (j = 0; j < L; j++) s[j] /= total;
-                for (int64_t d = 0; d < D; d++) acc[r * D + d] = 0.0f;
-            }
-            for (int64_t j = 0; j < L; j++) {
-                const float *vj = v_cache + (sl[j] * KVH + g) * D;
-                for (int64_t r = 0; r < rep; r++) {
-                    const float wgt = scores[r * ss + j];
-                    float *a = acc + r * D;
-                    int64_t d = 0;
-                    __m256 vw = _mm256_set1_ps(wgt);
-                    for (; d + 8 <= D; d += 8)
-                        _mm256_storeu_ps(a + d, _mm256_fmadd_ps(vw, _mm256_loadu_ps(vj + d), _mm256_loadu_ps(a + d)));
-                    for (; d < D; d++) a[d] += wgt * vj[d];
-                }
-            }
-            float *o = out + (rows[i] * H + g * rep) * D;
-            for (int64_t d = 0; d < rep * D; d++) o[d] = acc[d];
+            attend256(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, qs, acc, op, D);
         }
         free(scores);
     }
     free(items);
-}
-
-#ifdef __AVX512F__
-#define PQ 16 /* query rows per work item of prefill_attention_f32 */
-#define PK 64 /* keys per block */
-
-/* A tile of prefill attention: rows [0, nq) of one query head (queries qt [nq, D], already
- * scaled, query row i at position pos0 + i and seeing keys 0 .. pos0 + i) over the keys,
- * transposed by blocks of PK (kT[(j / PK) * D * PK + d * PK + j % PK]: dimension d of key j,
- * so that a block's keys are one stream of 16 KB, not D rows far apart), and the values (value j at
- * v + j * v_stride), flash-attention style: key blocks of PK,
- * the running max and sum per row, the output rows (o [PQ, D]) rescaled as the max grows.
- * D = 16 DV; RB query rows at a time (registers: RB x 4 score vectors, RB x DV outputs). */
-static inline __attribute__((always_inline)) void prefill_tile(const float *qt, int64_t nq, int64_t pos0,
-                                                                const float *kT, const float *v,
-                                                                int64_t v_stride, float *o, const int DV, const int RB) {
-    const int64_t D = 16 * DV;
-    float s[PQ * PK], mx[PQ], sum[PQ];
-    for (int64_t i = 0; i < nq; i++) {
-        mx[i] = -INFINITY;
-        sum[i] = 0.0f;
-        for (int64_t d = 0; d < D; d++) o[i * D + d] = 0.0f;
-    }
-    const int64_t keys = pos0 + nq; /* the last row sees keys 0 .. keys - 1 */
-    for (int64_t j0 = 0; j0 < keys; j0 += PK) {
-        const int64_t nk = keys - j0 < PK ? keys - j0 : PK;
-        const float *kt = kT + j0 * D; /* kt[d * PK + j]: key j0 + j, zeros past the last key */
-        for (int64_t i0 = 0; i0 < nq; i0 += RB) { /* s = q . k for RB rows: RB x 4 accumulators */
-            __m512 acc[4][4];
-            for (int r = 0; r < RB; r++)
-                for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
-            for (int64_t d = 0; d < D; d++) {
-                __m512 kv4[4];
-                for (int c = 0; c < 4; c++) kv4[c] = _mm512_loadu_ps(kt + d * PK + 16 * c);
-                for (int r = 0; r < RB; r++) {
-                    const __m512 qv = _mm512_set1_ps(i0 + r < nq ? qt[(i0 + r) * D + d] : 0.0f);
-                    for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(qv, kv4[c], acc[r][c]);
-                }
-            }
-            for (int r = 0; r < RB; r++)
-                for (int c = 0; c < 4; c++) _mm512_storeu_ps(s + (i0 + r) * PK + 16 * c, acc[r][c]);
-        }
-        for (int64_t i = 0; i < nq; i++) { /* mask, online softmax, rescale the output row */
-            float *si = s + i * PK;
-            const int64_t visible = pos0 + i + 1 - j0; /* keys of this block row i sees */
-            const int64_t n = visible < nk ? visible : nk;
-            if (n <= 0) {
-                for (int64_t j = 0; j < PK; j++) si[j] = 0.0f;
-                continue;
-            }
-            __m512 mv16 = _mm512_set1_ps(mx[i]);
-            for (int64_t j = 0; j < n; j += 16) {
-                const __mmask16 keep = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
-                mv16 = _mm512_mask_max_ps(mv16, keep, mv16, _mm512_loadu_ps(si + j));
-            }
-            const float m = _mm512_reduce_max_ps(mv16);
-            const float factor = exp1(mx[i] - m); /* 0 on the first block (mx = -inf) */
-            __m512 t = _mm512_setzero_ps();
-            const __m512 mv = _mm512_set1_ps(m);
-            for (int64_t j = 0; j < PK; j += 16) {
-                const __mmask16 keep = j >= n ? 0 : (n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1));
-                __m512 e = _mm512_maskz_mov_ps(keep, exp512(_mm512_sub_ps(_mm512_loadu_ps(si + j), mv)));
-                _mm512_storeu_ps(si + j, e);
-                t = _mm512_add_ps(t, e);
-            }
-            sum[i] = sum[i] * factor + _mm512_reduce_add_ps(t);
-            mx[i] = m;
-            if (factor != 1.0f) {
-                const __m512 f = _mm512_set1_ps(factor);
-                for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + i * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), f));
-            }
-        }
-        for (int64_t i0 = 0; i0 < nq; i0 += RB) { /* o += p . v for RB rows */
-            const int R = nq - i0 < RB ? (int)(nq - i0) : RB;
-            __m512 acc[4][8];
-            for (int r = 0; r < RB; r++)
-                for (int d = 0; d < DV; d++) acc[r][d] = r < R ? _mm512_loadu_ps(o + (i0 + r) * D + 16 * d) : _mm512_setzero_ps();
-            for (int64_t j = 0; j < nk; j++) {
-                __m512 vv[8];
-                const float *vj = v + (j0 + j) * v_stride;
-                for (int d = 0; d < DV; d++) vv[d] = _mm512_loadu_ps(vj + 16 * d);
-                for (int r = 0; r < RB; r++) {
-                    const __m512 p = _mm512_set1_ps(r < R ? s[(i0 + r) * PK + j] : 0.0f);
-                    for (int d = 0; d < DV; d++) acc[r][d] = _mm512_fmadd_ps(p, vv[d], acc[r][d]);
-                }
-            }
-            for (int r = 0; r < R; r++)
-                for (int d = 0; d < DV; d++) _mm512_storeu_ps(o + (i0 + r) * D + 16 * d, acc[r][d]);
-        }
-    }
-    for (int64_t i = 0; i < nq; i++) {
-        const __m512 inv = _mm512_set1_ps(1.0f / sum[i]);
-        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + i * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), inv));
-    }
-}
-#endif
-
-/* Causal attention of a chunk of m new tokens after `offset` tokens of context:
- * query i (row i of q, row stride q_stride floats, H heads of D) sees keys
- * 0 .. offset + i of k and v (key j of KV head g at k + j * k_stride + g * D, its value
- * at v + j * v_stride + g * D); query
- * head h reads KV head h / (H / KVH). out [m, H, D] contiguous. Returns 0 (and does
- * nothing) where there is no kernel for this head size (AVX-512 with D = 64 or 128). */
-int prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
-                          int64_t v_stride, float *out, int64_t m, int64_t offset, int64_t H, int64_t KVH, int64_t D, float scale,
-                          int num_threads) {
-#ifdef __AVX512F__
-    if (D != 64 && D != 128) return 0;
-    const int64_t blocks = (m + PQ - 1) / PQ, rep = H / KVH, S = offset + m, SP = (S + PK - 1) / PK * PK;
-    float *kT = malloc(sizeof(float) * KVH * D * SP); /* the keys transposed once (prefill_tile), zero-padded */
-    if (kT == NULL) return 0;
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t gb = 0; gb < KVH * (SP / PK); gb++) { /* [KVH, SP / PK, D, PK]: a block's keys in 16 KB */
-        const int64_t g = gb / (SP / PK), j0 = gb % (SP / PK) * PK;
-        float *blk = kT + gb * D * PK;
-        for (int64_t j = 0; j < PK; j++)
-            for (int64_t d = 0; d < D; d++) blk[d * PK + j] = j0 + j < S ? k[(j0 + j) * k_stride + g * D + d] : 0.0f;
-    }
-    #pragma omp parallel for schedule(dynamic) num_threads(num_threads)
-    for (int64_t item = 0; item < blocks * H; item++) {
-        const int64_t b = blocks - 1 - item / H, h = item % H; /* the longest rows first */
-        const int64_t i0 = b * PQ, nq = m - i0 < PQ ? m - i0 : PQ;
-        float qt[PQ * 128], o[PQ * 128];
-        for (int64_t i = 0; i < nq; i++)
-            for (int64_t d = 0; d < D; d++) qt[i * D + d] = q[(i0 + i) * q_stride + h * D + d] * scale;
-        const float *kh = kT + (h / rep) * D * SP, *vh = v + (h / rep) * D;
-        if (D == 64) prefill_tile(qt, nq, offset + i0, kh, vh, v_stride, o, 4, 4);
-        else prefill_tile(qt, nq, offset + i0, kh, vh, v_stride, o, 8, 2);
-        for (int64_t i = 0; i < nq; i++)
-            for (int64_t d = 0; d < D; d++) out[((i0 + i) * H + h) * D + d] = o[i * D + d];
-    }
-    free(kT);
-    return 1;
-#else
-    (void)q; (void)q_stride; (void)k; (void)k_stride; (void)v; (void)v_stride; (void)out; (void)m; (void)offset; (void)H;
-    (void)KVH; (void)D; (void)scale; (void)num_threads;
-    return 0;
-#endif
 }

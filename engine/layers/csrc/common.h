@@ -44,19 +44,7 @@ static inline float exp1(float x) { /* the same function on one float: vector la
     return _mm_cvtss_f32(_mm256_castps256_ps128(exp256(_mm256_set1_ps(x))));
 }
 
-static inline float dot(const float *a, const float *b, int64_t n) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-    }
-    float s = hsum(_mm256_add_ps(s0, s1));
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-void gemv_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K, int num_threads);
+void matmul_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K, int num_threads);
 void rms_norm_f32(const float *x, const float *w, float *y, int64_t T, int64_t H, float eps, int num_threads);
 void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                          const int64_t *rows, const int64_t *start, const int64_t *len, const int64_t *slots,

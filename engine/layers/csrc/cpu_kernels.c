@@ -1,4 +1,4 @@
-/* CPU kernels for the few rows of a decode or verification step, float32,
+/* The CPU kernels' per-row ops and the whole decoder layer, float32,
  * x86-64 with AVX2 and FMA; the matmul and the attention have AVX-512 paths,
  * compiled where the CPU has it (-mavx512f). Built at run time by
  * engine/layers/cpu_kernels.py.
@@ -71,11 +71,11 @@ void rope_f32(const float *x, int64_t x_stride, const float *cos, const float *s
 }
 
 /* One Llama decoder layer (pre-norm attention, gated SiLU MLP, no output biases) for the T
- * tokens of a decode or verification step, every one of them attended through its
+ * tokens of a step (prefill chunks, decodes, drafts), every one of them attended through its
  * own list of KV slots; in place on x [T, Hd]. It makes the kernel calls of the
  * model's layer-by-layer forward (engine/models/llama.py) in the same order, so its
  * results are the same bits, without the Python and torch dispatch between them.
- * Weights [out, in], each in gemv_f32's layout: w_qkv [(H + 2 KVH) D, In], w_o [Hd, H D],
+ * Weights [out, in], each in matmul_f32's layout: w_qkv [(H + 2 KVH) D, In], w_o [Hd, H D],
  * w_gu [2 I, Hd] (gate rows, then up rows), w_down [Hd, I]; cos, sin [T, D]; the new keys
  * (rotated) and values are written at slot_mapping[t] of k_cache, v_cache [num_slots, KVH, D].
  * attn_in: NULL for a decoder layer (the attention reads rms_norm(x) * ln1, In = Hd), or
@@ -103,7 +103,7 @@ void decoder_layer_f32(float *x, const float *attn_in, int64_t In, int64_t T, in
         rms_norm_f32(x, ln1, h, T, Hd, eps, num_threads);
         attn_in = h, In = Hd;
     }
-    gemv_f32(attn_in, w_qkv, qkv, T, QKV, In, num_threads);
+    matmul_f32(attn_in, w_qkv, qkv, T, QKV, In, num_threads);
     for (int64_t t = 0; b_qkv != NULL && t < T; t++)
         for (int64_t i = 0; i < QKV; i++) qkv[t * QKV + i] += b_qkv[i];
     for (int64_t t = 0; q_norm != NULL && t < T; t++) { /* in place: each row is read before it is written */
@@ -116,11 +116,11 @@ void decoder_layer_f32(float *x, const float *attn_in, int64_t In, int64_t T, in
         memcpy(v_cache + slot_mapping[t] * KVH * D, qkv + t * QKV + QK, sizeof(float) * KVH * D);
     }
     paged_attention_f32(qk, QK, k_cache, v_cache, rows, start, len, slots, att, T, H, KVH, D, scale, num_threads);
-    gemv_f32(att, w_o, o, T, Hd, H * D, num_threads);
+    matmul_f32(att, w_o, o, T, Hd, H * D, num_threads);
     for (int64_t i = 0; i < T * Hd; i++) x[i] += o[i];
     rms_norm_f32(x, ln2, h, T, Hd, eps, num_threads);
-    gemv_f32(h, w_gu, gu, T, 2 * I, Hd, num_threads);
+    matmul_f32(h, w_gu, gu, T, 2 * I, Hd, num_threads);
     silu_mul_f32(gu, a, T, I, num_threads);
-    gemv_f32(a, w_down, o, T, Hd, I, num_threads);
+    matmul_f32(a, w_down, o, T, Hd, I, num_threads);
     for (int64_t i = 0; i < T * Hd; i++) x[i] += o[i];
 }
