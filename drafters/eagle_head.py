@@ -72,9 +72,8 @@ class EagleHead(nn.Module):
     def prepare_fused(self) -> None:
         """Weights are final and the head drafts on the CPU in float32: lay every matrix out
         for ``cpu_kernels.matmul`` (``kernel_weight``, read by ``_linear``), and q, k, v and gate,
-        up stacked for ``cpu_kernels.decoder_layer``, which then runs the layer in one C call.
-        (A batch-1 drafting pass took 1.06 ms through the layer's 20-odd torch and kernel
-        calls, most of it dispatch: the head's matmuls stream ~17 MB.)"""
+        up stacked for ``cpu_kernels.decoder_layer``, which then runs the layer in one C call:
+        through the layer's 20-odd torch and kernel calls, a drafting pass is mostly dispatch."""
         if cpu_kernels.load() is None or self.fc.weight.dtype != torch.float32 or self.fc.weight.device.type != "cpu":
             return
         for m in self.modules():
@@ -168,12 +167,8 @@ class EagleHead(nn.Module):
 
 def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)``, through ``cpu_kernels.matmul`` when it can run (float32 on the CPU, not
-    under autograd: drafting, not training) and ``prepare_fused`` laid the weight out for it.
-    On the bench machine (2 threads) it ran the
-    default model's head 3.6x faster than torch's matmul over the unpacked weights: 0.53
-    against 1.89 ms a one-row pass, 1.04 against 3.63 at 8 rows; [n, 1152] x [576, 1152]
-    and [n, 576] x [8192, 576] together 0.47 against 1.85 ms at 16 rows, 7.0 against 16.3
-    at 256."""
+    under autograd: drafting, not training) and ``prepare_fused`` laid the weight out for it;
+    the kernel runs the head's small matmuls several times faster than torch's."""
     kernel = getattr(layer, "kernel_weight", None)
     if kernel is not None and x.dim() == 2 and cpu_kernels.usable(x):
         y = cpu_kernels.matmul(x, kernel)
