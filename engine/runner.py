@@ -326,7 +326,8 @@ class ModelRunner:
         ``j`` of request ``r`` came from its row ``emit_rows[r][j]``."""
         order = [{row: j for j, row in enumerate(rows)} for rows in emit_rows]
         keep = [i for i, (r, p) in enumerate(zip(row_req, row_pos)) if p in order[r]]
-        tokens = torch.tensor([result.sampled[requests[row_req[i]].request_id][order[row_req[i]][row_pos[i]]] for i in keep])
+        tokens = torch.tensor([result.sampled[requests[row_req[i]].request_id][order[row_req[i]][row_pos[i]]] for i in keep],
+                              device=self.device)
         self._add_logprobs(result, logits[self._t(np.array(keep))], tokens, [requests[row_req[i]] for i in keep], top_n)
 
     def _plain_greedy(self, requests: list[RequestState]) -> bool:

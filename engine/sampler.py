@@ -164,16 +164,23 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int, rank: bool = False) -> list[TokenLogprob]:
     """Logprobs of the model's raw distribution: the chosen token's and the top ``top_n``;
-    with ``rank``, also the chosen token's rank (1 + the number of likelier tokens)."""
+    with ``rank``, also the chosen token's rank (1 + the number of likelier tokens).
+    logits [n, vocab], tokens [n] on the logits' device. Everything reaches the host in
+    one copy (float64 holds every token id exactly): one sync on a GPU, not one per row."""
     logp = logits.log_softmax(-1)
-    chosen_t = logp.gather(1, tokens.unsqueeze(1))  # [n, 1]
-    chosen = chosen_t.squeeze(1).tolist()
-    ranks = ((logp > chosen_t).sum(-1) + 1).tolist() if rank else [None] * len(chosen)
-    top_vals, top_ids = logp.topk(top_n, dim=-1) if top_n else (None, None)
+    chosen = logp.gather(1, tokens.unsqueeze(1))  # [n, 1]
+    cols = [tokens.unsqueeze(1), chosen]
+    if rank:
+        cols.append((logp > chosen).sum(-1, keepdim=True) + 1)
+    if top_n:
+        top_vals, top_ids = logp.topk(top_n, dim=-1)  # [n, top_n] each
+        cols += [top_ids, top_vals]
+    rows = torch.cat([c.double() for c in cols], dim=1).tolist()  # [n, 2 + rank + 2 * top_n]
     out = []
-    for i, tok in enumerate(tokens.tolist()):
-        top = tuple(zip(top_ids[i].tolist(), top_vals[i].tolist())) if top_n else ()
-        out.append(TokenLogprob(tok, chosen[i], top, ranks[i]))
+    for row in rows:
+        r = 3 if rank else 2
+        top = tuple(zip(map(int, row[r : r + top_n]), row[r + top_n :])) if top_n else ()
+        out.append(TokenLogprob(int(row[0]), row[1], top, int(row[2]) if rank else None))
     return out
 
 

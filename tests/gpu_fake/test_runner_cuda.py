@@ -1,0 +1,38 @@
+"""The runner on fake CUDA: every verification path (greedy chains, sampled chains,
+trees) with logprobs, end to end through the engine."""
+
+import pytest
+
+from engine.config import SpeculativeConfig
+from engine.sampling_params import SamplingParams
+from tests.gpu_fake.engines import cuda_engine, cuda_model, run
+from tests.gpu_fake.fake_cuda import fake_cuda
+
+CHAINS = SpeculativeConfig(method="ngram", num_speculative_tokens=3, verify_cost=0.05)
+TREES = SpeculativeConfig(method="ngram", num_speculative_tokens=3, verify_cost=0.05, tree_width=2, max_tree_nodes=6)
+
+
+@pytest.mark.parametrize("speculative", [CHAINS, TREES], ids=["chains", "trees"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_logprobs_under_speculation(speculative, temperature):
+    """Each emitted token, accepted draft or not, has its logprob and top-2 from the row that
+    predicted it; on CUDA the chosen tokens must reach the logits' device first."""
+    with fake_cuda():
+        engine = cuda_engine(cuda_model(echo=True), speculative)
+        params = SamplingParams(max_tokens=8, temperature=temperature, seed=1, logprobs=2, ignore_eos=True)
+        reqs, drafted = run(engine, [params, params])
+        assert drafted > 0
+        for r in reqs:
+            assert r.finish_reason == "length" and len(r.output_token_ids) == 8
+            assert [lp.token_id for lp in r.logprobs] == r.output_token_ids
+            for lp in r.logprobs:
+                assert lp.logprob <= 0 and len(lp.top) == 2 and lp.top[0][1] >= lp.top[1][1]
+                if temperature == 0.0:
+                    assert lp.top[0][0] == lp.token_id
+
+
+def test_prompt_logprobs_on_cuda():
+    with fake_cuda():
+        engine = cuda_engine(cuda_model())
+        (req,), _ = run(engine, [SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)], [[3, 4, 5, 6, 7]])
+        assert [lp.token_id for lp in req.prompt_logprobs] == [4, 5, 6, 7]
