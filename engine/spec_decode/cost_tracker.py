@@ -115,8 +115,10 @@ def measure_step_costs(model, runner, max_rows: int, block_size: int, max_len: i
         specs = [SeqSpec(context, 1, tables[i % distinct]) for i in range(n)]
         meta = runner.attention.build_metadata(specs, block_size, device)
         pos = torch.full((n,), context, dtype=torch.long, device=device)
+        synchronize(device)
         t = time.perf_counter()
         model.compute_logits(model(ids[:n], pos, meta, runner.kv)).argmax(-1)
+        synchronize(device)  # a GPU returns from the launches long before it has run them
         return time.perf_counter() - t
 
     rows = sorted({r for r in (1, 2, 3, 5, 9, 17, 33, 65, 129, 257) if r < max_rows} | {max_rows})
@@ -127,3 +129,9 @@ def measure_step_costs(model, runner, max_rows: int, block_size: int, max_len: i
     # More rows never cost less: a slow outlier at some R is capped by the larger R after it.
     costs = [max(1.0, min(best[i:]) / best[0]) for i in range(len(rows))]
     return StepCosts(tuple(rows), tuple(costs), one_token_s=best[0])
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work (CUDA); the CPU runs ops as they are called."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
