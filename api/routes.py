@@ -88,11 +88,12 @@ async def list_models(request: Request) -> JSONResponse:
 
 @router.get("/health", response_model=None, responses={200: {"model": HealthStatus}, **error_responses(503)})
 async def health(request: Request) -> JSONResponse:
-    """200 while the engine runs and the server takes requests; 503 when dead or draining."""
+    """200 while the engine runs and the server takes requests; 503 when dead, or from
+    SIGTERM on (while it drains, and during ``--drain-delay`` before)."""
     serving = _state(request).serving
     if not serving.engine.is_running:
         raise APIError(503, "the engine is not running", code="engine_dead")
-    if serving.draining:
+    if serving.draining or not serving.ready:
         raise APIError(503, "the server is shutting down", code="shutting_down")
     return JSONResponse({"status": "ok"})
 

@@ -1,11 +1,15 @@
 """Running the app under uvicorn, with a graceful shutdown.
 
-On SIGTERM (or Ctrl-C) uvicorn stops accepting connections and waits for the
-open ones; before that, ``GracefulServer`` tells the serving layer to drain:
-new requests get a 503, in-flight ones have ``shutdown_timeout`` seconds to
-finish, then they are aborted (streams end with an error event and
-``[DONE]``, their KV blocks are freed). Uvicorn's own timeout, a few seconds
-longer, is only a backstop; the lifespan then stops the engine.
+On SIGTERM (or Ctrl-C) ``GracefulServer`` first marks the replica unready for
+``drain_delay`` seconds: ``/health`` answers 503, so that a router's health
+check or a readiness probe takes it out of rotation, while requests that still
+arrive are served as usual (nothing a router sent in the meantime fails). Then
+uvicorn stops accepting connections and waits for the open ones, and the
+serving layer drains: new requests get a 503, in-flight ones have
+``shutdown_timeout`` seconds to finish, then they are aborted (streams end with
+an error event and ``[DONE]``, their KV blocks are freed). Uvicorn's own
+timeout, a few seconds longer, is only a backstop; the lifespan then stops the
+engine.
 
 After a drain the process exits with status 0. (Uvicorn re-raises a caught
 SIGTERM once it has shut down, which would end the process "killed by
@@ -13,10 +17,12 @@ SIGTERM"; it restores the handler that was installed before it started, so
 ``run_server`` installs one that turns that re-raise into a normal return.)
 """
 
+import asyncio
 import logging
 import math
 import signal
 import socket
+import time
 
 import uvicorn
 from fastapi import FastAPI
@@ -32,14 +38,21 @@ BACKSTOP_S = 5  # uvicorn cancels whatever is left this long after our own deadl
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, app: FastAPI, shutdown_timeout: float):
+    def __init__(self, config: uvicorn.Config, app: FastAPI, shutdown_timeout: float, drain_delay: float = 0.0):
         super().__init__(config)
         self.app = app
         self.shutdown_timeout = shutdown_timeout
+        self.drain_delay = drain_delay
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         state = getattr(self.app.state, "specserve", None)
         if state is not None:
+            if self.drain_delay > 0:
+                state.serving.ready = False
+                log.info("unready before draining", extra={"fields": {"delay_s": self.drain_delay}})
+                deadline = time.monotonic() + self.drain_delay
+                while time.monotonic() < deadline and not self.force_exit:  # a second Ctrl-C cuts it short
+                    await asyncio.sleep(0.1)
             state.serving.begin_drain(self.shutdown_timeout)
         await super().shutdown(sockets)
 
@@ -56,7 +69,7 @@ def build_server(settings: ServerSettings, app: FastAPI | None = None) -> Gracef
         lifespan="on",
         timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout) + BACKSTOP_S,
     )
-    return GracefulServer(config, app, settings.shutdown_timeout)
+    return GracefulServer(config, app, settings.shutdown_timeout, settings.drain_delay)
 
 
 class _Terminated(Exception):

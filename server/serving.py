@@ -201,6 +201,7 @@ class ServingEngine:
         self.pending = 0
         self.live: dict[str, Generation] = {}
         self.draining = False
+        self.ready = True  # False from SIGTERM on (server/run.py): /health answers 503
 
     @property
     def tokenizer(self):

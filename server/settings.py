@@ -82,6 +82,10 @@ class ServerSettings(BaseSettings):
     max_request_body_bytes: int = Field(4 << 20, gt=0, description="larger request bodies get a 413")
     max_n: int = Field(16, gt=0, description="largest n (choices per prompt) a request may ask for")
     shutdown_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests get to finish after SIGTERM")
+    drain_delay: float = Field(
+        0.0, ge=0, description="seconds after SIGTERM during which /health answers 503 (routers and readiness probes "
+        "take the replica out) while requests are still served; then the listener closes and --shutdown-timeout starts",
+    )
     # -- logging --
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     log_format: Literal["text", "json"] = Field("text", description="text (key=value) or one JSON object per line")

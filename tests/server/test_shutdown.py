@@ -35,6 +35,23 @@ def stream_in_thread(server: LiveServer, body: dict) -> tuple[threading.Thread, 
     return thread, events, started
 
 
+def test_drain_delay_reports_unready_while_it_still_serves(llm_engine):
+    """With --drain-delay, SIGTERM first turns /health to 503 (a router's health check takes
+    the replica out) while requests are still answered; then the listener closes."""
+    with LiveServer(settings(drain_delay=3.0), llm_engine) as live, live.http() as http:
+        assert http.get("/health").status_code == 200
+        live.server.should_exit = True
+        time.sleep(0.5)
+        health = http.get("/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "shutting_down"
+        r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+        live.stop()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{live.url}/health", timeout=2)
+    wait_idle(llm_engine)
+
+
 @pytest.mark.parametrize("timeout,finishes", [(30.0, True), (1.5, False)], ids=["finishes", "aborted"])
 def test_graceful_shutdown(llm_engine, timeout, finishes):
     """What SIGTERM triggers (uvicorn's should_exit): new connections are refused at once;
