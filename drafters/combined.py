@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from engine.spec_decode import tree
 from engine.spec_decode.drafter import Draft, Drafter, DraftSlot
-from drafters.eagle import EagleDrafter, eagle_factory
+from drafters.eagle import EagleDrafter, eagle_factory, memory_needs  # noqa: F401 - the head's, for the registry
 from drafters.ngram import NgramDrafter
 
 EAGLE_CLASS = 0  # prompt lookup's classes are match lengths, 1 and up

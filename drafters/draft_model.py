@@ -28,6 +28,7 @@ from drafters.tree_drafting import GrowingTree, grow_trees
 from engine.spec_decode import tree
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
+from engine.gpu_memory import DrafterMemory
 from engine.models.llama import head_dim_of
 from engine.request import Request
 from engine.sampler import build_sampling_batch, exponential_noise, mask_logits, penalized_logits, processed_probs
@@ -253,6 +254,16 @@ def build(spec, *, target, tokenizer, num_blocks, block_size, dtype, device, att
     check_same_vocab(tokenizer, load_tokenizer(path), target.config.vocab_size, draft.config.vocab_size)
     ratio = _param_count(draft) / _param_count(target)
     return ModelDrafter(draft, draft.config.num_hidden_layers, num_blocks, block_size, dtype, device, ratio, attention)
+
+
+def memory_needs(spec, *, dtype, block_size, **_) -> DrafterMemory:
+    """The draft model's weights and KV bytes per block, for the GPU memory budget."""
+    from engine.loader import load_config, weight_bytes
+    from engine.model_store import resolve_model
+
+    cfg = load_config(resolve_model(spec.model))
+    kv = KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), block_size, dtype)
+    return DrafterMemory(weight_bytes(cfg, dtype), kv.bytes_per_block())
 
 
 def check_same_vocab(target_tok, draft_tok, target_vocab: int, draft_vocab: int) -> None:

@@ -40,6 +40,7 @@ from drafters.tree_drafting import GrowingTree, grow_trees
 from engine.spec_decode import tree
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
+from engine.gpu_memory import DrafterMemory
 from kvcache import KVCacheManager
 from kvcache.tensors import KVSpec, PagedKV
 
@@ -215,6 +216,14 @@ class EagleDrafter(SamplingDrafter):
         super().free(request_id)
         self.states.pop(request_id, None)
         self.kv.free(request_id)
+
+
+def memory_needs(spec, *, dtype, block_size, **_) -> DrafterMemory:
+    """The head's weights and KV bytes per block, for the GPU memory budget."""
+    from drafters.eagle_head import head_memory
+    from engine.model_store import resolve_model
+
+    return DrafterMemory(*head_memory(resolve_model(spec.model), dtype, block_size))
 
 
 def eagle_factory(kind: str):

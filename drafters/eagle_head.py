@@ -23,6 +23,7 @@ accepted; ``embed_tokens.weight`` is ignored (the target's is used).
 """
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -230,6 +231,20 @@ def _check_fits(config, kind: str, target_config, layers: tuple[int, ...]) -> No
             f"{where}: feature layer ids {list(layers)} must be three layers of the target's "
             f"{target_config.num_hidden_layers}"
         )
+
+
+def head_memory(path: Path, dtype: torch.dtype, block_size: int) -> tuple[int, int]:
+    """(bytes of the head's own weights in ``dtype``, bytes of its one-layer KV cache per
+    block), read from its config and safetensors headers without loading a tensor."""
+    from safetensors import safe_open
+
+    config = _read_config(path)
+    count = 0
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            count += sum(math.prod(st.get_slice(n).get_shape()) for n in st.keys() if not n.endswith("embed_tokens.weight"))
+    kv = 2 * block_size * config.num_key_value_heads * head_dim_of(config) * dtype.itemsize
+    return count * dtype.itemsize, kv
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:

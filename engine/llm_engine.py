@@ -21,7 +21,7 @@ from engine.attention import select_backend
 from engine.config import EngineConfig
 from engine.distributed import TensorParallelModel, load_target
 from engine.faults import FaultHook
-from engine.gpu_memory import num_kv_blocks
+from engine.gpu_memory import DrafterMemory, num_kv_blocks
 from engine.loader import load_config, load_tokenizer
 from engine.model_store import resolve_model
 from engine.models.llama import head_dim_of
@@ -34,7 +34,7 @@ from engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from engine.spec_decode.cost_tracker import CostTracker, measure_step_costs
 from engine.spec_decode.drafter import Draft, DraftSlot
 from engine.spec_decode.policy import Candidate, SpecPolicy, StepCosts, StepPlan
-from engine.spec_decode.registry import build_drafter
+from engine.spec_decode.registry import build_drafter, drafter_memory
 from engine.stats import EngineSnapshot, StepTimes, make_step_stats
 from engine.spec_decode.tree import is_chain, walk
 from engine.stop import holdback
@@ -70,7 +70,9 @@ class LLMEngine:
         # This rank's KV heads (all of them at tensor_parallel_size 1; test models may have no layers).
         kv_heads = model.layers[0].self_attn.num_kv_heads if hasattr(model, "layers") else hf_config.num_key_value_heads
         spec = KVSpec(hf_config.num_hidden_layers, kv_heads, head_dim_of(hf_config), block_size, dtype)
-        num_blocks = num_kv_blocks(config, spec, model, attention, device, self.max_model_len)  # GPU path: engine.gpu_memory
+        needs = drafter_memory(config.speculative, dtype=dtype, block_size=block_size) if drafter is None else None
+        num_blocks = num_kv_blocks(config, spec, model, attention, device, self.max_model_len,  # GPU: engine.gpu_memory
+                                   needs or DrafterMemory())
         if num_blocks < blocks_needed(self.max_model_len, spec.block_size):
             raise ValueError(
                 f"the KV cache holds {num_blocks * spec.block_size} tokens, fewer than max_model_len="

@@ -69,6 +69,13 @@ def load_model(
     return model.eval()
 
 
+def weight_bytes(config, dtype: torch.dtype) -> int:
+    """Bytes of the model of ``config`` in ``dtype`` (built on meta, so nothing is allocated)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    return sum(p.numel() * (dtype.itemsize if p.is_floating_point() else p.element_size()) for p in model.parameters())
+
+
 def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Gives each parameter still on ``meta`` memory on ``device``, in ``dtype`` when it is
     a floating-point one (tied parameters stay tied), filled with NaN until the checkpoint

@@ -55,6 +55,10 @@ class ServerSettings(BaseSettings):
         0.9, gt=0, le=1, description="CUDA: fraction of the GPU's memory for weights, activations and the KV cache; "
         "the KV cache gets what a profiled largest step leaves"
     )
+    num_gpu_blocks_override: int | None = Field(
+        None, gt=0, description="KV-cache blocks to allocate, instead of what the memory profile leaves (as vLLM's "
+        "flag; on the CPU instead of --kv-cache-memory-bytes)"
+    )
     enable_prefix_caching: bool = Field(
         True, description="reuse the KV blocks of prompt prefixes already computed (shared system prompts, "
         "earlier conversation turns)"
@@ -139,6 +143,7 @@ class ServerSettings(BaseSettings):
             cache=CacheConfig(
                 block_size=self.block_size,
                 memory_bytes=self.kv_cache_memory_bytes,
+                num_blocks=self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching,
                 gpu_memory_utilization=self.gpu_memory_utilization,
             ),

@@ -39,6 +39,12 @@ class AllocateKV:
 
 
 @dataclass(frozen=True)
+class ReleaseKV:
+    """Drop this rank's KV-cache shard (the memory profile's scratch cache; the engine's
+    own comes with the next ``AllocateKV``)."""
+
+
+@dataclass(frozen=True)
 class ForwardStep:
     """Run the model over one flat batch; every rank builds the attention metadata from ``specs``."""
 

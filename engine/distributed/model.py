@@ -26,7 +26,7 @@ import torch
 from engine.config import EngineConfig
 from engine.distributed.executor import TPWorkers
 from engine.distributed.group import backend_for
-from engine.distributed.messages import AllocateKV, ComputeLogits, ForwardStep, WorkerInit
+from engine.distributed.messages import AllocateKV, ComputeLogits, ForwardStep, ReleaseKV, WorkerInit
 from engine.loader import load_config, load_model
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 class TensorParallelModel:
     """Rank 0's shard with the model's interface (``__call__`` / ``compute_logits``,
     ``config``, ``layers``, ``lm_head``, ``rotary``, ``parameters()``: those of rank 0's
-    shard). The workers hold a shard of one KV cache: the one the first call passes."""
+    shard). The workers hold a shard of one KV cache: the one the first call passes,
+    until ``release_kv`` (the memory profile's scratch cache is released so)."""
 
     def __init__(self, local, workers: TPWorkers):
         self.local, self.workers = local, workers
@@ -56,6 +57,12 @@ class TensorParallelModel:
         """hidden [S, hidden] -> logits [S, vocab] in float32, gathered on rank 0."""
         self.workers.send(ComputeLogits(_numpy(hidden.float())))
         return self.workers.run(self.local.compute_logits, hidden)
+
+    def release_kv(self) -> None:
+        """The workers drop their KV shard; the next call binds its cache anew."""
+        if self._kv is not None:
+            self.workers.send(ReleaseKV())
+            self._kv = None
 
     def _bind(self, kv) -> None:
         if self._kv is None:

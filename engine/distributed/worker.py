@@ -23,7 +23,7 @@ import torch
 from engine.attention import build_attention_metadata
 from engine.distributed.group import join_store, make_group
 from engine.distributed.messages import (
-    AllocateKV, ComputeLogits, ForwardStep, Joining, LoadFailed, Ready, Shutdown, WorkerInit,
+    AllocateKV, ComputeLogits, ForwardStep, Joining, LoadFailed, Ready, ReleaseKV, Shutdown, WorkerInit,
 )
 from engine.loader import load_model
 from kvcache.tensors import KVSpec, PagedKV
@@ -74,7 +74,12 @@ def _serve(conn, model, device: torch.device) -> None:
             case ComputeLogits():
                 model.compute_logits(t(msg.hidden).to(dtype))  # rank 0 keeps the gathered logits
             case AllocateKV():
+                kv = None  # the old shard's memory goes before the new one's is taken
                 kv, block_size = PagedKV(kv_spec(model, msg.block_size), msg.num_blocks, device), msg.block_size
+            case ReleaseKV():
+                kv = None
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
             case Shutdown():
                 return
             case _:

@@ -10,6 +10,7 @@ target model, tokenizer, device, dtype and cache sizing (see ``LLMEngine``).
 
 import importlib
 
+from engine.gpu_memory import DrafterMemory
 from engine.spec_decode.drafter import Drafter
 
 DRAFTERS: dict[str, str] = {
@@ -21,6 +22,17 @@ DRAFTERS: dict[str, str] = {
     "ngram+eagle": "drafters.combined:build_ngram_eagle",
     "ngram+eagle3": "drafters.combined:build_ngram_eagle3",
 }
+
+
+def drafter_memory(spec_config, **context) -> DrafterMemory:
+    """What the drafter of ``spec_config.method`` will hold on the GPU (its factory module's
+    ``memory_needs``; nothing for drafters without weights or a cache of their own), asked
+    before the KV cache is sized. ``context``: dtype, block_size."""
+    target = DRAFTERS.get(spec_config.method)
+    if target is None:
+        return DrafterMemory()
+    needs = getattr(importlib.import_module(target.split(":")[0]), "memory_needs", None)
+    return needs(spec_config, **context) if needs is not None else DrafterMemory()
 
 
 def build_drafter(spec_config, **context) -> Drafter:

@@ -40,7 +40,7 @@ from tests.gpu_fake.fake_ops import CUDA, FakeCudaMode, PythonBindings, fake_tol
 _REAL_GENERATOR = torch.Generator
 _TRACKED = "_fake_cuda_tracked"  # the attribute of a fake that holds the finalizer giving its bytes back
 
-__all__ = ["CUDA", "Counts", "FakeCuda", "fake_cuda", "value"]
+__all__ = ["CUDA", "Counts", "FakeCuda", "cuda_api", "fake_cuda", "value"]
 
 
 @dataclass
@@ -70,8 +70,12 @@ class FakeCudaGenerator(_REAL_GENERATOR):
         return CUDA
 
 
-def _make_generator(device="cpu"):
-    return FakeCudaGenerator() if torch.device(device).type == "cuda" else _REAL_GENERATOR(device)
+class _Generator(_REAL_GENERATOR):
+    """``torch.Generator`` under the harness: a class still (annotations such as
+    ``torch.Generator | None`` evaluate), whose CUDA instances are ``FakeCudaGenerator``s."""
+
+    def __new__(cls, device="cpu"):
+        return FakeCudaGenerator() if torch.device(device).type == "cuda" else _REAL_GENERATOR(device)
 
 
 class FakeCuda:
@@ -204,9 +208,18 @@ def fake_cuda(strict: bool = False, **kw):
     gpu = FakeCuda(strict=strict, **kw)
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.multiple(torch.cuda, **gpu.patches()))
-        stack.enter_context(mock.patch.object(torch, "Generator", _make_generator))
+        stack.enter_context(mock.patch.object(torch, "Generator", _Generator))
         stack.enter_context(mock.patch.object(FakeTensor, "tolist", fake_tolist))
         stack.enter_context(torch.no_grad())  # autograd on a fake CUDA tensor aborts a CPU build
         stack.enter_context(gpu.mode)
         stack.enter_context(PythonBindings(gpu))
+        yield gpu
+
+
+@contextlib.contextmanager
+def cuda_api(**kw):
+    """``torch.cuda``'s functions patched, and nothing else (no fake tensors): for CPU code
+    that calls them, as the memory profile of tensor-parallel ranks on gloo does in a test."""
+    gpu = FakeCuda(**kw)
+    with mock.patch.multiple(torch.cuda, **gpu.patches()):
         yield gpu
