@@ -44,6 +44,9 @@ _GENERATION_ERRORS = error_responses(400, 401, 404, 413, 500, 503, 504)
 
 class HealthStatus(BaseModel):
     status: str
+    device: str  # where the engine runs, e.g. cuda:0 or cpu
+    device_reason: str  # why: --device auto says what it found (engine.devices)
+    attention_backend: str
 
 
 class VersionInfo(BaseModel):
@@ -95,7 +98,9 @@ async def health(request: Request) -> JSONResponse:
         raise APIError(503, "the engine is not running", code="engine_dead")
     if serving.draining or not serving.ready:
         raise APIError(503, "the server is shutting down", code="shutting_down")
-    return JSONResponse({"status": "ok"})
+    llm = serving.engine.engine
+    return JSONResponse({"status": "ok", "device": str(llm.device_choice.device), "device_reason": llm.device_choice.reason,
+                         "attention_backend": llm.runner.attention.name})
 
 
 @router.get("/version", response_model=None, responses={200: {"model": VersionInfo}})

@@ -17,9 +17,10 @@ class ModelConfig:
     attention_backend: str = "auto"  # auto | torch | cpu | torch_varlen | flash_attn (engine.attention.backends)
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        """The device (``engine.devices.choose_device``: ValueError when CUDA is asked for and unusable)."""
+        from engine.devices import choose_device
+
+        return choose_device(self.device).device
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

@@ -18,7 +18,9 @@ import time
 import torch
 
 from engine.attention import select_backend
+from engine.attention.backends import flash_attn_status
 from engine.config import EngineConfig
+from engine.devices import choose_device
 from engine.distributed import TensorParallelModel, load_target
 from engine.faults import FaultHook
 from engine.gpu_memory import DrafterMemory, num_kv_blocks
@@ -49,7 +51,10 @@ class LLMEngine:
         """``model``, ``tokenizer`` and ``drafter`` may be given ready-made (tests);
         by default they are built from ``config``."""
         self.config = config
-        device, dtype = config.model.torch_device(), config.model.torch_dtype()
+        self.device_choice = choose_device(config.model.device)
+        log.log(logging.WARNING if self.device_choice.fell_back else logging.INFO, "device %s: %s",
+                self.device_choice.device, self.device_choice.reason)
+        device, dtype = self.device_choice.device, config.model.torch_dtype()
         if device.type == "cpu":
             torch.set_num_threads(config.threads_per_rank())
         if model is None:
@@ -65,7 +70,9 @@ class LLMEngine:
         self.tp_workers = model.workers if isinstance(model, TensorParallelModel) else None
         hf_config = model.config
         self.max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
-        attention = select_backend(config.model.attention_backend, device, dtype)  # GPU path: engine.attention.backends
+        attention = select_backend(config.model.attention_backend, device, dtype, head_dim_of(hf_config))
+        if device.type == "cuda" and attention.name != "flash_attn":
+            log.info("attention %s: flash-attn not used (%s)", attention.name, flash_attn_status() or "not chosen")
         block_size = attention.block_size(config.cache.block_size)
         # This rank's KV heads (all of them at tensor_parallel_size 1; test models may have no layers).
         kv_heads = model.layers[0].self_attn.num_kv_heads if hasattr(model, "layers") else hf_config.num_key_value_heads

@@ -65,17 +65,35 @@ def paged_attention(q, k, v, kv_layer, meta) -> torch.Tensor:
     return _FORWARD[type(meta)](q, k, v, kv_layer, meta)
 
 
+def flash_attn_status() -> str | None:
+    """None when flash-attn imports with its compiled kernels; else why it cannot be used.
+    Being installed is not enough: a wheel built for another torch or CUDA fails to load."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash-attn is not installed"
+    try:
+        from flash_attn import flash_attn_varlen_func  # noqa: F401 - loads flash_attn_2_cuda
+    except Exception as e:  # noqa: BLE001 - ImportError, OSError (undefined symbol), ...: unusable either way
+        return f"flash-attn is installed but does not load ({type(e).__name__}: {e})"
+    return None
+
+
 def flash_attn_installed() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    return flash_attn_status() is None
 
 
-def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+def flash_head_dim_ok(head_dim: int | None) -> bool:
+    """flash-attn's kernels take head dims that are multiples of 8, up to 256 (its interface
+    pads others, the whole paged cache included, on every call)."""
+    return head_dim is None or (head_dim % 8 == 0 and head_dim <= 256)
+
+
+def select_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> AttentionBackend:
     """The backend for ``--attention-backend name``; ValueError when it cannot run here."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention backend must be one of {', '.join(BACKEND_NAMES)}; got {name!r}")
     cuda, half = device.type == "cuda", dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
-        if cuda and half and flash_attn_installed():
+        if cuda and half and flash_head_dim_ok(head_dim) and flash_attn_installed():
             return FLASH_ATTN
         if cuda:
             return TORCH_VARLEN
@@ -83,9 +101,10 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> Atten
     if name == "cpu" and (cuda or dtype != torch.float32 or cpu_kernels.load() is None):
         raise ValueError(f"attention backend cpu needs float32 on the CPU and the AVX2 kernels (device {device}, "
                          f"dtype {dtype}, kernels built: {cpu_kernels.load() is not None})")
-    if name == "flash_attn" and not (cuda and half and flash_attn_installed()):
+    if name == "flash_attn" and not (cuda and half and flash_head_dim_ok(head_dim) and flash_attn_installed()):
         raise ValueError(
-            "attention backend flash_attn needs a CUDA device, dtype float16 or bfloat16, and the flash-attn "
-            f"package (device {device}, dtype {dtype}, flash-attn installed: {flash_attn_installed()})"
+            "attention backend flash_attn needs a CUDA device, dtype float16 or bfloat16, a head dim that is a "
+            f"multiple of 8 up to 256, and flash-attn (device {device}, dtype {dtype}, head dim {head_dim}, "
+            f"flash-attn: {flash_attn_status() or 'loads'})"
         )
     return BACKENDS[name]

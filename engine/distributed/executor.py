@@ -158,5 +158,9 @@ class TPWorkers:
 
 
 def _rank_device(device: str, rank: int) -> str:
-    """One GPU per rank (``cuda:rank``); every CPU rank on the CPU."""
-    return f"cuda:{rank}" if device.startswith("cuda") else "cpu"
+    """One GPU per rank, counting from rank 0's (``--device cuda:N``: rank r on ``cuda:N+r``);
+    every CPU rank on the CPU."""
+    if not device.startswith("cuda"):
+        return "cpu"
+    first = int(device.partition(":")[2] or 0)
+    return f"cuda:{first + rank}"

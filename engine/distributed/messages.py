@@ -22,6 +22,7 @@ class WorkerInit:
     store_port: int  # rank 0's TCPStore on 127.0.0.1
     backend: str  # gloo | nccl
     model_path: str
+    attention_backend: str  # rank 0's (engine.attention.backends): every rank attends the same way
     dtype: str  # torch dtype name, e.g. "float32"
     device: str  # this rank's device, e.g. "cpu" or "cuda:1"
     max_positions: int

@@ -27,7 +27,9 @@ from engine.config import EngineConfig
 from engine.distributed.executor import TPWorkers
 from engine.distributed.group import backend_for
 from engine.distributed.messages import AllocateKV, ComputeLogits, ForwardStep, ReleaseKV, WorkerInit
+from engine.attention.backends import select_backend
 from engine.loader import load_config, load_model
+from engine.models.llama import head_dim_of
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +81,12 @@ def load_target(path, config: EngineConfig, dtype: torch.dtype, device: torch.de
     size = config.parallel.tensor_parallel_size
     if size == 1:
         return load_model(path, dtype, device, max_positions=max_positions)
-    check_parallel(load_config(path), size, device)
+    check_parallel(load_config(path), size, device)  # before any process starts
+    hf_config = load_config(path)
+    attention = select_backend(config.model.attention_backend, device, dtype, head_dim_of(hf_config)).name
     init = WorkerInit(
         rank=0, world_size=size, store_port=0, backend=backend_for(device.type), model_path=str(path),
+        attention_backend=attention,
         dtype=str(dtype).removeprefix("torch."), device=str(device), max_positions=max_positions,
         num_threads=config.threads_per_rank(), collective_timeout_s=config.parallel.collective_timeout_s,
     )
@@ -107,8 +112,10 @@ def check_parallel(hf_config, size: int, device: torch.device) -> None:
         )
     if hf_config.vocab_size % size:
         raise ValueError(f"{where}: the vocabulary ({hf_config.vocab_size} tokens) does not split evenly")
-    if device.type == "cuda" and size > torch.cuda.device_count():
-        raise ValueError(f"{where}: only {torch.cuda.device_count()} CUDA devices (one rank per device)")
+    first = device.index or 0
+    if device.type == "cuda" and first + size > torch.cuda.device_count():
+        raise ValueError(f"{where} from cuda:{first}: only {torch.cuda.device_count()} CUDA devices "
+                         "(one rank per device, rank r on cuda:first+r)")
     if device.type == "cpu" and size > (os.cpu_count() or 1):
         log.warning("%s exceeds the %d CPU cores: the ranks will share cores", where, os.cpu_count())
 

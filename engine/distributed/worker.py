@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.attention import build_attention_metadata
+from engine.attention.backends import BACKENDS
 from engine.distributed.group import join_store, make_group
 from engine.distributed.messages import (
     AllocateKV, ComputeLogits, ForwardStep, Joining, LoadFailed, Ready, ReleaseKV, Shutdown, WorkerInit,
@@ -48,7 +48,7 @@ def worker_main(init: WorkerInit, conn, heartbeat) -> None:
         conn.send(LoadFailed(init.rank, traceback.format_exc()))
         return
     conn.send(Ready(init.rank))
-    _serve(conn, model, device)
+    _serve(conn, model, device, BACKENDS[init.attention_backend].build_metadata)
 
 
 def _beat(heartbeat) -> None:
@@ -58,7 +58,8 @@ def _beat(heartbeat) -> None:
 
 
 @torch.inference_mode()
-def _serve(conn, model, device: torch.device) -> None:
+def _serve(conn, model, device: torch.device, build_metadata) -> None:
+    """Runs rank 0's messages; ``build_metadata`` is rank 0's attention backend's."""
     kv, block_size = None, 0
     dtype = next(model.parameters()).dtype
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
@@ -69,7 +70,7 @@ def _serve(conn, model, device: torch.device) -> None:
             return  # rank 0 is gone
         match msg:
             case ForwardStep():
-                meta = build_attention_metadata(msg.specs, block_size, device)
+                meta = build_metadata(msg.specs, block_size, device)
                 model(t(msg.input_ids), t(msg.positions), meta, kv, msg.num_layers)
             case ComputeLogits():
                 model.compute_logits(t(msg.hidden).to(dtype))  # rank 0 keeps the gathered logits

@@ -66,6 +66,8 @@ class FakeCudaMode(FakeTensorMode):
             return self._shims[func](self, *args, **kwargs)
         if func.overloadpacket is aten.to:  # inference mode dispatches aten.to itself
             return self._to(func, args, kwargs)
+        if fakes and (cuda_impl := _custom_op_cuda_impl(func)) is not None:
+            return cuda_impl(*args, **kwargs)  # a library's own op (flash-attn's): its Python CUDA body
         if func is aten._local_scalar_dense.default and fakes:
             self.gpu.sync(".item() / bool() / float()")
             return value(args[0]).item()
@@ -198,6 +200,17 @@ def _tensors(args, kwargs) -> list:
         elif isinstance(a, (list, tuple)):
             out.extend(x for x in a if isinstance(x, torch.Tensor))
     return out
+
+
+def _custom_op_cuda_impl(func):
+    """The Python CUDA implementation of a ``torch.library.custom_op`` (flash-attn registers
+    its kernels so), or None; it runs on the fake tensors themselves."""
+    if func.namespace in ("aten", "prims", "prim"):
+        return None
+    from torch._library.custom_ops import OPDEFS
+
+    opdef = OPDEFS.get(func._schema.name)
+    return None if opdef is None else opdef._backend_fns.get("cuda")
 
 
 def _common_device(func, flat) -> None:

@@ -11,6 +11,7 @@ from engine.loader import load_model
 from engine.models.llama import LlamaForCausalLM, head_dim_of
 from kvcache.tensors import KVSpec, PagedKV
 from tests.gpu_fake.fake_cuda import fake_cuda, value
+from tests.gpu_fake.flash_attn_sdist import real_flash_attn
 from tests.parallel.checkpoints import save_random_llama
 
 CUDA = torch.device("cuda")
@@ -94,14 +95,15 @@ def test_loading_fills_every_parameter(checkpoint, tmp_path):
         load_model(tmp_path, torch.float32, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("backend", ["torch", "torch_varlen"])
+@pytest.mark.parametrize("backend", ["torch", "torch_varlen", "flash_attn"])
 def test_bf16_forward_on_each_cuda_backend(checkpoint, backend):
-    """The step's hidden states stay on the GPU, in bf16, with no host sync inside the forward."""
-    with fake_cuda() as gpu:
+    """The step's hidden states stay on the GPU, in bf16, with no host sync inside the forward;
+    flash_attn through flash-attn's own interface over its checking stand-in."""
+    with fake_cuda() as gpu, real_flash_attn():
         model = load_model(checkpoint, torch.bfloat16, CUDA)
         reference, _ = forward(cpu_copy(model), "torch", "cpu")
         gpu.counts.reset()
-        hidden, logits = forward(model, backend, CUDA)
+        hidden, logits = forward(model, backend, CUDA, BACKENDS[backend].block_size(BLOCK))
         assert (hidden.dtype, logits.dtype) == (torch.bfloat16, torch.float32)
         assert gpu.counts.num_syncs == 0 and gpu.counts.synchronize == 0, gpu.counts
         torch.testing.assert_close(value(hidden).float(), reference, atol=0.1, rtol=0.05)
