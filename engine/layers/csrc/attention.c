@@ -222,33 +222,67 @@ static void attend512_vectors(const float *const *q, const int64_t *L, int64_t L
 #endif
 
 /* The AVX2 path (any head size; with AVX-512, head sizes other than 64 and 128): a work item's
- * nv (<= MAXR) query vectors of KV head g over one list, in the three passes of attend512 with
- * keys in blocks of KB read from L1 by every group of 4 vectors. Per vector the arithmetic and
- * its order are fixed: score = hsum of an 8-lane FMA chain over d (then a scalar FMA tail), the
- * max over its own keys, exp and their sum 8 keys at a time, the values' FMA chain over j per
- * dimension, one division at the end; so a vector's bits never depend on who shares its item. */
-#define AVX2_GROUP 4 /* query vectors whose scores share each key's loads */
+ * nv (<= MAXR) query vectors of KV head g over one list, in three passes over the keys, in
+ * blocks of KB that stay in L1 for every vector of the item: the scores, their softmax, the
+ * weighted values. Per vector the arithmetic and its order are fixed: a score is an 8-lane
+ * FMA chain over d, its lanes summed as ((0+1)+(2+3))+((4+5)+(6+7)), then a scalar FMA tail
+ * (d past the last multiple of 8); the max over its own keys, exp and their sum 8 keys at a
+ * time; the values' FMA chain over j per dimension; one division at the end. So a vector's
+ * bits never depend on who shares its item, and 8 keys' scores are summed together by a
+ * transposing reduction (reduce8) rather than one horizontal sum each. */
+#define AVX2_GROUP 4 /* query vectors per item at least, when there are that many */
 
-/* Scores of R (<= AVX2_GROUP) scaled query vectors qs (rows of D) against key kj. */
-static inline __attribute__((always_inline)) void scores256(const float *qs, int R, const float *kj, int64_t D,
-                                                             float *out) {
-    __m256 s[AVX2_GROUP];
-    for (int r = 0; r < R; r++) s[r] = _mm256_setzero_ps();
-    int64_t d = 0;
-    for (; d + 8 <= D; d += 8) {
-        const __m256 k = _mm256_loadu_ps(kj + d);
-        for (int r = 0; r < R; r++) s[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + r * D + d), k, s[r]);
-    }
-    for (int r = 0; r < R; r++) {
-        float x = hsum(s[r]);
-        for (int64_t t = d; t < D; t++) x = fmaf(qs[r * D + t], kj[t], x);
-        out[r] = x;
-    }
+/* The sum of v's lanes in the order of reduce8: ((0+1)+(2+3))+((4+5)+(6+7)). */
+static inline float sum_tree(__m256 v) {
+    const __m256 h = _mm256_hadd_ps(v, v);
+    const __m256 t = _mm256_hadd_ps(h, h);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
 }
 
-/* exp(score - mx) in place over a vector's own L keys, 0 from there to Lmax; returns their sum. */
-static float softmax256(float *sr, int64_t L, int64_t Lmax, float mx) {
-    const __m256 m = _mm256_set1_ps(mx), lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+/* Lane j: sum_tree(s[j]), for 8 vectors at once. */
+static inline __m256 reduce8(const __m256 *s) {
+    const __m256 h01 = _mm256_hadd_ps(s[0], s[1]), h23 = _mm256_hadd_ps(s[2], s[3]);
+    const __m256 h45 = _mm256_hadd_ps(s[4], s[5]), h67 = _mm256_hadd_ps(s[6], s[7]);
+    const __m256 a = _mm256_hadd_ps(h01, h23), b = _mm256_hadd_ps(h45, h67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* The score of the scaled query qs against key kj (D floats): see the path's comment. */
+static inline float score1(const float *qs, const float *kj, int64_t D) {
+    __m256 s = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(qs + d), _mm256_loadu_ps(kj + d), s);
+    float x = sum_tree(s);
+    for (; d < D; d++) x = fmaf(qs[d], kj[d], x);
+    return x;
+}
+
+/* out[0..7] = score1(qs, k[i]) for the 8 keys k[i]. */
+static inline void score8(const float *qs, const float *const *k, int64_t D, float *out) {
+    __m256 s[8];
+    for (int i = 0; i < 8; i++) s[i] = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+        const __m256 q = _mm256_loadu_ps(qs + d);
+        for (int i = 0; i < 8; i++) s[i] = _mm256_fmadd_ps(q, _mm256_loadu_ps(k[i] + d), s[i]);
+    }
+    _mm256_storeu_ps(out, reduce8(s));
+    for (int i = 0; i < 8; i++)
+        for (int64_t t = d; t < D; t++) out[i] = fmaf(qs[t], k[i][t], out[i]);
+}
+
+/* exp(score - max) in place over a vector's own L keys (the max over them), 0 from there
+ * to Lmax; returns their sum. */
+static float softmax256(float *sr, int64_t L, int64_t Lmax) {
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), ninf = _mm256_set1_ps(-INFINITY);
+    __m256 mv = ninf;
+    for (int64_t j = 0; j < L; j += 8) {
+        const __m256 keep = _mm256_cmp_ps(lane, _mm256_set1_ps((float)(L - j)), _CMP_LT_OQ);
+        mv = _mm256_max_ps(mv, _mm256_blendv_ps(ninf, _mm256_loadu_ps(sr + j), keep));
+    }
+    mv = _mm256_max_ps(mv, _mm256_permute2f128_ps(mv, mv, 1));
+    mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, _MM_SHUFFLE(1, 0, 3, 2)));
+    const __m256 m = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, _MM_SHUFFLE(2, 3, 0, 1)));
     __m256 t = _mm256_setzero_ps();
     for (int64_t j = 0; j < L; j += 8) {
         const __m256 keep = _mm256_cmp_ps(lane, _mm256_set1_ps((float)(L - j)), _CMP_LT_OQ);
@@ -274,43 +308,46 @@ static void values256(const float *e, int64_t j0, int64_t j1, const float *v_cac
         }
         for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + d + 8 * c, a[c]);
     }
+    for (; d + 8 <= D; d += 8) {
+        __m256 a = _mm256_loadu_ps(acc + d);
+        for (int64_t j = j0; j < j1; j++)
+            a = _mm256_fmadd_ps(_mm256_set1_ps(e[j]), _mm256_loadu_ps(v_cache + (sl[j] * KVH + g) * D + d), a);
+        _mm256_storeu_ps(acc + d, a);
+    }
     for (; d < D; d++)
         for (int64_t j = j0; j < j1; j++) acc[d] = fmaf(e[j], v_cache[(sl[j] * KVH + g) * D + d], acc[d]);
 }
 
-#define SCORES256(R) scores256(qs + r0 * D, R, kj, D, x)
 static void attend256(const float *const *q, const int64_t *L, int64_t Lmax, int nv, const float *k_cache,
                       const float *v_cache, const int64_t *sl, int64_t KVH, int64_t g, float scale, float *scores,
                       int64_t ss, float *qs, float *acc, float *const *o, int64_t D) {
-    float mx[MAXR], total[MAXR], x[AVX2_GROUP];
+    float total[MAXR];
     for (int r = 0; r < nv; r++) {
-        mx[r] = -INFINITY;
         for (int64_t d = 0; d < D; d++) qs[r * D + d] = q[r][d] * scale;
         for (int64_t d = 0; d < D; d++) acc[r * D + d] = 0.0f;
     }
-    for (int64_t j0 = 0; j0 < Lmax; j0 += KB) {
+    for (int64_t j0 = 0; j0 < Lmax; j0 += KB) { /* a block of keys, read from L1 by every vector */
         const int64_t j1 = j0 + KB < Lmax ? j0 + KB : Lmax;
-        for (int r0 = 0; r0 < nv; r0 += AVX2_GROUP) {
-            const int rn = nv - r0 < AVX2_GROUP ? nv - r0 : AVX2_GROUP;
-            for (int64_t j = j0; j < j1; j++) {
-                const float *kj = k_cache + (sl[j] * KVH + g) * D;
-                switch (rn) {
-                case 1: SCORES256(1); break;
-                case 2: SCORES256(2); break;
-                case 3: SCORES256(3); break;
-                default: SCORES256(4); break;
-                }
-                for (int r = 0; r < rn; r++) {
-                    scores[(r0 + r) * ss + j] = x[r];
-                    mx[r0 + r] = j < L[r0 + r] && x[r] > mx[r0 + r] ? x[r] : mx[r0 + r];
-                }
-            }
+        int64_t j = j0;
+        for (; j + 8 <= j1; j += 8) {
+            const float *k[8];
+            for (int i = 0; i < 8; i++) k[i] = k_cache + (sl[j + i] * KVH + g) * D;
+            for (int r = 0; r < nv; r++)
+                if (j < L[r]) score8(qs + r * D, k, D, scores + r * ss + j);
+        }
+        for (; j < j1; j++) {
+            const float *kj = k_cache + (sl[j] * KVH + g) * D;
+            for (int r = 0; r < nv; r++)
+                if (j < L[r]) scores[r * ss + j] = score1(qs + r * D, kj, D);
         }
     }
-    for (int r = 0; r < nv; r++) total[r] = softmax256(scores + r * ss, L[r], Lmax, mx[r]);
+    for (int r = 0; r < nv; r++) total[r] = softmax256(scores + r * ss, L[r], Lmax);
     for (int64_t j0 = 0; j0 < Lmax; j0 += KB) {
         const int64_t j1 = j0 + KB < Lmax ? j0 + KB : Lmax;
-        for (int r = 0; r < nv; r++) values256(scores + r * ss, j0, j1, v_cache, sl, KVH, g, D, acc + r * D);
+        for (int r = 0; r < nv; r++) {
+            const int64_t e1 = j1 < L[r] ? j1 : L[r];
+            if (e1 > j0) values256(scores + r * ss, j0, e1, v_cache, sl, KVH, g, D, acc + r * D);
+        }
     }
     for (int r = 0; r < nv; r++) {
         const float inv = 1.0f / total[r];
