@@ -7,7 +7,9 @@ tokens per unit of cost as the head has (a class with no record yet is tried: it
 drafts cost nothing); otherwise the head drafts. The choice is the context class the
 speculation policy keeps its statistics by: n for prompt lookup, ``EAGLE_CLASS`` (0)
 for the head. The records are this drafter's own: per class, running means of the
-drafts proposed and accepted per round, pooled over requests.
+drafts proposed and accepted per round, pooled over requests; a seeded request
+chooses by records of its own rounds only (starting empty), so that its choices,
+and so its output, do not depend on other traffic.
 
 The head reads the target's features every step, whichever drafter proposed, so it
 is caught up when its turn comes.
@@ -48,14 +50,15 @@ class CombinedDrafter(Drafter):
         self.ngram, self.eagle = ngram, eagle
         self.cost_per_token = eagle.cost_per_token  # the policy prices every class at the head's cost
         self.feature_layers = eagle.feature_layers
-        self.records: dict[int, _Record] = {}
+        self.records: dict[int, _Record] = {}  # pooled over the requests
+        self.own: dict[str, dict[int, _Record]] = {}  # a seeded request's: request id -> class -> record
         self.choice: dict[str, int] = {}  # request id -> class chosen at scheduling
         self.proposed: dict[str, tuple[int, int, Draft]] = {}  # id -> (class, num_tokens, drafts)
 
     def context_class(self, request) -> int | None:
         m = self.ngram.context_class(request)
         head = self.eagle.context_class(request)
-        if m is not None and (head is None or self._lookup_pays(m)):
+        if m is not None and (head is None or self._lookup_pays(m, self._records(request))):
             key = m
         else:
             key = None if head is None else EAGLE_CLASS
@@ -65,8 +68,13 @@ class CombinedDrafter(Drafter):
             self.choice[request.request_id] = key
         return key
 
-    def _lookup_pays(self, n: int) -> bool:
-        mine, head = self.records.get(n), self.records.get(EAGLE_CLASS)
+    def _records(self, request) -> dict[int, _Record]:
+        if request.params.seed is None:
+            return self.records
+        return self.own.setdefault(request.request_id, {})
+
+    def _lookup_pays(self, n: int, records: dict[int, _Record]) -> bool:
+        mine, head = records.get(n), records.get(EAGLE_CLASS)
         if mine is None or head is None:
             return mine is None or mine.value(0.0) >= 1.0
         return mine.value(0.0) >= head.value(self.eagle.cost_per_token)
@@ -90,6 +98,8 @@ class CombinedDrafter(Drafter):
             key, start, draft = done
             accepted = _accepted(draft, request.token_ids[start:])
             self.records.setdefault(key, _Record()).update(len(draft.token_ids), accepted)
+            if request.params.seed is not None:
+                self._records(request).setdefault(key, _Record()).update(len(draft.token_ids), accepted)
         self.ngram.commit(request)
         self.eagle.commit(request)
 
@@ -99,7 +109,7 @@ class CombinedDrafter(Drafter):
         self.eagle.rollback(request)
 
     def free(self, request_id: str) -> None:
-        for table in (self.choice, self.proposed):
+        for table in (self.choice, self.proposed, self.own):
             table.pop(request_id, None)
         self.ngram.free(request_id)
         self.eagle.free(request_id)

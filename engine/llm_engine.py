@@ -130,6 +130,9 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, ids, params, self.eos_token_ids, self.tokenizer)
+        # An EAGLE head that starts after a prefix-cache hit sees less context than without it,
+        # and a seeded request's drafts, so its output, must not depend on what others cached.
+        req.full_prefill = params.seed is not None and bool(self.drafter is not None and self.drafter.feature_layers)
         if params.guided is not None:
             # EOS ends a structured output where its grammar accepts, even with ignore_eos.
             req.grammar = self.grammars.matcher(params.guided, self.eos_token_ids | set(params.stop_token_ids))
@@ -230,7 +233,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.step_fallbacks = 0
         plan = self._plan()
-        scheduled = self.scheduler.schedule(plan.num_draft_slots)
+        scheduled = self.scheduler.schedule(plan.num_draft_slots, plan.isolated)
         if scheduled.is_empty:
             return []
         drafts = self._propose(scheduled, plan)
@@ -250,7 +253,9 @@ class LLMEngine:
     def _plan(self) -> StepPlan:
         """The speculation policy's plan for this step, from the records of the steps before
         it and the drafter's context classes of the decoding requests (asked here, before
-        scheduling). Changes no policy state."""
+        scheduling). Changes no policy state. A request drafts once it has an output token:
+        whether the step that computes its last prompt token could draft would depend on
+        where the budget and the prefix cache cut its prompt, not on the request alone."""
         if self.policy is None:
             return StepPlan({})
         running = self.scheduler.running
@@ -258,7 +263,8 @@ class LLMEngine:
         candidates = [
             Candidate(r.request_id, self._context_class(r), isolated=r.params.seed is not None, trees=r.grammar is None)
             for r in running
-            if r.params.speculate and r.num_computed_tokens + 1 == r.num_tokens and (shared or r.params.seed is not None)
+            if r.params.speculate and r.num_output_tokens and r.num_computed_tokens + 1 == r.num_tokens
+            and (shared or r.params.seed is not None)
         ]
         return self.policy.plan(candidates, len(running))
 

@@ -48,6 +48,9 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.num_preemptions = 0
+        # Computes every token of its prompt, taking no prefix-cache hit (set by the engine: a
+        # seeded request whose drafter reads the target's features of every position).
+        self.full_prefill = False
         # The structured-output matcher (engine.grammar.RequestGrammar), set by the engine
         # when params.guided is; it follows the committed tokens only.
         self.grammar = None

@@ -26,7 +26,7 @@ each step the full blocks of its verified tokens are registered for others.
 
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
@@ -143,24 +143,16 @@ class Scheduler:
         ids, self._finished_ids = self._finished_ids, []
         return ids
 
-    def schedule(self, num_draft_slots: Mapping[str, int] | None = None) -> SchedulerOutput:
+    def schedule(self, num_draft_slots: Mapping[str, int] | None = None, isolated: Collection[str] = ()) -> SchedulerOutput:
         """This step's work. ``num_draft_slots``: the speculation policy's plan, request
-        id -> draft slots wanted after its decode token (cut to the budget and limits)."""
-        num_draft_slots = num_draft_slots or {}
-        budget = self.config.max_num_batched_tokens
+        id -> draft slots wanted after its decode token (cut to the budget and limits);
+        ``isolated``: requests whose slots the budget never cuts (seeded ones: their output
+        depends on their number of drafts). Their decode token and slots are set aside
+        from the budget first; one that does not fit what is left waits for a later step."""
         scheduled: list[ScheduledRequest] = []
         new: list[NewRequest] = []
         preempted: list[str] = []
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            k = self._draft_slots(req, n, budget, num_draft_slots.get(req.request_id, 0))
-            if not self._reserve(req, n + k, preempted):
-                break
-            scheduled.append(self._scheduled(req, n, new, k))
-            budget -= n + k
-            i += 1
+        budget = self._schedule_running(num_draft_slots or {}, isolated, scheduled, new, preempted)
         queries = hits = 0
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -173,14 +165,45 @@ class Scheduler:
             budget -= n
         return SchedulerOutput(tuple(scheduled), tuple(new), tuple(preempted), queries, hits)
 
+    def _schedule_running(self, num_draft_slots: Mapping[str, int], isolated: Collection[str], scheduled, new,
+                          preempted) -> int:
+        """The running requests' work, oldest first; returns the budget left."""
+        budget = self.config.max_num_batched_tokens
+        uncut = {rid: self._draft_slots(self.requests[rid], 1, budget, num_draft_slots[rid])
+                 for rid in isolated if rid in num_draft_slots}
+        set_aside = sum(1 + k for k in uncut.values())
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            i += 1
+            k = uncut.get(req.request_id)
+            if k is not None:
+                n, set_aside = 1, set_aside - 1 - k
+                if 1 + k > budget:
+                    continue
+            else:
+                n = min(req.num_tokens - req.num_computed_tokens, budget - set_aside)
+                if n <= 0:
+                    continue
+                k = self._draft_slots(req, n, budget - set_aside, num_draft_slots.get(req.request_id, 0))
+            if not self._reserve(req, n + k, preempted):
+                break
+            scheduled.append(self._scheduled(req, n, new, k))
+            budget -= n + k
+        return budget
+
     def _admit(self, req: Request, budget: int) -> int | None:
         """Move the first waiting request (new or preempted: nothing computed, no
         blocks) to running, computed up to its cached prefix. Returns how many
         tokens it computes this step; None, changing nothing, when blocks are short."""
-        # A request that scores its prompt computes every prompt token (its blocks may still be shared).
-        cached = [] if req.params.scores_prompt else self.kv.find_cached_prefix(req.request_id, req.token_ids)
+        # A request that scores its prompt computes every prompt token (its blocks may still be
+        # shared); one whose output has begun (resumed after preemption) recomputes up to its
+        # last token only, which then decodes with the drafts it would have had unpreempted.
+        resumed = req.num_output_tokens > 0
+        full = req.params.scores_prompt or req.full_prefill
+        cached = [] if full else self.kv.find_cached_prefix(req.request_id, req.token_ids[: req.num_tokens - resumed])
         start = len(cached) * self.kv.block_size
-        n = min(req.num_tokens - start, budget)
+        n = min(req.num_tokens - resumed - start, budget)
         need = self.kv.num_new_blocks(req.request_id, start + n, cached)
         if need > self.kv.num_free_blocks - self.watermark and self.running:
             return None

@@ -63,8 +63,11 @@ Planning itself pauses at batch sizes whose plans keep granting nothing
 (``engine.spec_decode.batch_pause``).
 
 A seeded request is *isolated*: its record starts from the prior, never from
-the pooled rates, and its drafts are priced as if it were alone (``V`` at
-batch 1). Its choices then depend only on its own history, so it draws the same
+the pooled rates; its drafts are priced as if it were alone (``V`` at batch 1)
+by the start-up cost table (``pinned_costs``), never by the one that the
+engine's steps keep moving (``engine.spec_decode.cost_tracker``); and its pauses
+run on its own steps, not on the engine's (which count steps it did not run).
+Its choices then depend only on its own history, so it draws the same
 random numbers, and writes the same tokens, whatever the server served before
 or beside it. The number of drafts has to be pinned this way: under the
 rejection rule, a seeded request's output does depend on it (a token emitted
@@ -194,6 +197,7 @@ class SpecState:
 
     classes: dict[int, ClassState] = field(default_factory=dict)
     isolated: bool = False  # seeded: own record only, priced as if alone (see the module docstring)
+    num_steps: int = 0  # steps recorded (those the request ran): an isolated request's pause clock
     last_class: int | None = None  # class of the latest decision
     num_drafts: int = 0  # rounds that verified at least one draft
     num_draft_tokens: int = 0
@@ -243,6 +247,11 @@ class StepPlan:
         """Request id -> draft slots, for the requests that draft: what the scheduler takes."""
         return {rid: d.num_draft_slots for rid, d in self.decisions.items() if d.num_draft_slots}
 
+    @property
+    def isolated(self) -> frozenset[str]:
+        """The requests that draft and are isolated: the scheduler never cuts their slots."""
+        return frozenset(rid for rid, d in self.decisions.items() if d.num_draft_slots and d.isolated)
+
 
 class SpecPolicy:
     """``step_costs``: ``T(R)`` of the target; ``draft_cost``: the drafter's cost per token."""
@@ -251,6 +260,10 @@ class SpecPolicy:
         self.config = config
         self.c = draft_cost
         self.step_costs = step_costs
+        # The start-up table, which seeded requests are priced by whatever the tracker
+        # later sets ``step_costs`` to; their V at batch 1, computed once.
+        self.pinned_costs = step_costs
+        self._pinned_verify: list[float] | None = None
         self.step = 0
         self.states: dict[str, SpecState] = {}
         self.pooled: dict[int, ClassState] = {}  # class -> rates over all requests
@@ -267,17 +280,23 @@ class SpecPolicy:
         drafts granted before it counted; ``alone``: as if at batch 1); computed once per
         (batch, rows) while the table stays (most steps grant no drafts, so one computation
         serves every request), for both ``_best_chain`` and ``_best_tree``."""
-        most = max(self.config.num_speculative_tokens, len(self.static[0].template) if self.static
-                   else self.config.max_tree_nodes if self.config.tree_width > 1 else 0)
-        key = (1, 1) if alone else (batch, rows)
+        if alone:
+            if self._pinned_verify is None:
+                self._pinned_verify = self._verify_at(self.pinned_costs, 1, 1)
+            return self._pinned_verify
+        key = (batch, rows)
         v = self._verify_memo.get(key)
         if v is None:
-            costs = self._step_costs
-            v = costs.verify_at(range(most + 1), *key)
-            if key[0] == key[1]:  # no drafts in the pass yet: these would bear its fixed cost
-                fixed = costs.verify_fixed * key[0] / costs(key[0])
-                v = v[:1] + [x + fixed for x in v[1:]]
-            self._verify_memo[key] = v
+            v = self._verify_memo[key] = self._verify_at(self._step_costs, batch, rows)
+        return v
+
+    def _verify_at(self, costs: StepCosts, batch: int, rows: int) -> list[float]:
+        most = max(self.config.num_speculative_tokens, len(self.static[0].template) if self.static
+                   else self.config.max_tree_nodes if self.config.tree_width > 1 else 0)
+        v = costs.verify_at(range(most + 1), batch, rows)
+        if batch == rows:  # no drafts in the pass yet: these would bear its fixed cost
+            fixed = costs.verify_fixed * batch / costs(batch)
+            v = v[:1] + [x + fixed for x in v[1:]]
         return v
 
     @property
@@ -350,7 +369,7 @@ class SpecPolicy:
             template = self.fixed_tree if c.trees else None
             return Decision(len(template) if template else k, key, isolated=alone, fresh=fresh, template=template)
         cs = cs or fresh
-        if self.step < cs.paused_until:
+        if self._now(st, alone) < cs.paused_until:
             return Decision(0, key, isolated=alone)
         v = self._verify_costs(batch, rows, alone)
         gamma, gain, template = self._best_round(cs, k, v, c.trees)
@@ -385,8 +404,15 @@ class SpecPolicy:
         return ClassState(list(pooled.rates), pooled.tested, pause_len=pooled.pause_len,
                           siblings=[list(r) for r in pooled.siblings])
 
-    def _pause(self, cs: ClassState, key: int, isolated: bool) -> None:
-        cs.paused_until = self.step + cs.pause_len
+    def _now(self, st: SpecState | None, isolated: bool) -> int:
+        """The clock a request's pauses run on: the engine's step; an isolated request's own
+        steps (other traffic then neither stretches nor shortens its pauses)."""
+        if not isolated:
+            return self.step
+        return st.num_steps if st is not None else 0
+
+    def _pause(self, cs: ClassState, key: int, isolated: bool, now: int) -> None:
+        cs.paused_until = now + cs.pause_len
         cs.pause_len = min(2 * cs.pause_len, MAX_PAUSE)
         # The retry starts from what this class does over all requests (an isolated one: the prior),
         fresh = self._fresh(key, isolated)
@@ -397,7 +423,7 @@ class SpecPolicy:
         """The request's current context class does not draft for now (drafts did not pay)."""
         st = self.states.get(request_id)
         cs = st.classes.get(st.last_class) if st is not None else None
-        return cs is not None and self.step < cs.paused_until
+        return cs is not None and self._now(st, st.isolated) < cs.paused_until
 
     def record(self, request_id: str, decision: Decision, num_drafted: int, num_accepted: int, outcomes=None) -> None:
         """After verification of a request that ran with ``decision``: ``num_accepted``
@@ -406,6 +432,8 @@ class SpecPolicy:
         st = self.states.get(request_id)
         if st is None:
             st = self.states[request_id] = SpecState(isolated=decision.isolated)
+        now = self._now(st, st.isolated)
+        st.num_steps += 1
         key = st.last_class = decision.context_class
         if key is None:
             return
@@ -413,7 +441,7 @@ class SpecPolicy:
         if cs is None:
             cs = st.classes[key] = decision.fresh or self._fresh(key, st.isolated)
         if decision.pause:
-            self._pause(cs, key, st.isolated)
+            self._pause(cs, key, st.isolated, now)
         if num_drafted == 0:
             return
         st.num_drafts += 1
@@ -432,7 +460,7 @@ class SpecPolicy:
             pooled.pause_len = max(MIN_PAUSE, pooled.pause_len // 2)
         elif cs.probing:
             pooled.pause_len = min(2 * pooled.pause_len, MAX_PAUSE)
-            self._pause(cs, key, st.isolated)
+            self._pause(cs, key, st.isolated, now)
 
     def end_step(self, plan: StepPlan | None = None) -> None:
         """After the step ran with ``plan``: its bucket's record of idle plans (a plan with no

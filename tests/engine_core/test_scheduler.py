@@ -167,7 +167,8 @@ def test_preemption_hand_simulated():
     """Four blocks of two tokens. A and B (prompts of 2) grow one token per step;
     at step 4 A needs a third block, none is free, and the newest running
     request, B, is preempted: its blocks are freed and it is recomputed, prompt
-    and output so far, once blocks are free again."""
+    and output so far but its last token, once blocks are free again; the last
+    token then decodes as it would have without the preemption (with its drafts)."""
     sched = create_scheduler(num_blocks=4, block_size=2)
     a, b = create_request("A", 2, max_tokens=4), create_request("B", 2, max_tokens=6)
     sched.add(a), sched.add(b)
@@ -182,8 +183,10 @@ def test_preemption_hand_simulated():
     assert b.token_ids == b_tokens and sched.num_preemptions == 1
     assert a.is_finished  # 4 tokens: its blocks are free again
     out = step(sched)
-    assert counts(out) == {"B": (0, 5, True)}  # recomputed in one go
-    assert out.scheduled[0].token_ids == tuple(b_tokens)
+    assert counts(out) == {"B": (0, 4, False)}  # recomputed in one go, up to its last token
+    assert out.scheduled[0].token_ids == tuple(b_tokens[:-1])
+    out = step(sched)
+    assert counts(out) == {"B": (4, 1, True)} and out.scheduled[0].token_ids == (b_tokens[-1],)
     while sched.requests:
         step(sched)
     assert b.num_output_tokens == 6

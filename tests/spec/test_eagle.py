@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig
 
 from drafters.eagle_head import load_eagle_head
+from engine import SamplingParams
 from engine.spec_decode import tree
 from engine.attention import SeqSpec, build_attention_metadata
 from engine.attention.backends import CPU, TORCH
@@ -256,5 +257,25 @@ def test_the_combination_picks_by_past_records(tmp_path):
     assert drafter.context_class(req) == EAGLE_CLASS
     drafter.records[n] = _Record(drafted=4.0, accepted=3.0, rounds=10)
     assert drafter.context_class(req) == n
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_a_seeded_request_picks_by_its_own_records_only(tmp_path):
+    """The pooled records say prompt lookup does not pay: an unseeded request takes the
+    head; a seeded one has no record of its own yet, so it tries lookup as on a fresh server."""
+    from drafters.combined import EAGLE_CLASS, _Record
+
+    model = small_target()
+    engine = eagle_engine(model, "ngram+eagle3", write_random_head(model, "eagle3", tmp_path / "h", draft_vocab=12))
+    drafter = engine.drafter
+    seeded = engine.add_request("s", list(range(16)), SamplingParams(max_tokens=8, temperature=1.0, seed=3))
+    plain = engine.add_request("u", list(range(16)), SamplingParams(max_tokens=8, temperature=1.0))
+    engine.step()  # prefill: the head has the prompts' features; every token occurred before
+    n = drafter.ngram.context_class(seeded)
+    drafter.records[n] = _Record(drafted=4.0, accepted=0.0, rounds=10)
+    drafter.records[EAGLE_CLASS] = _Record(drafted=3.0, accepted=2.0, rounds=10)
+    assert drafter.context_class(plain) == EAGLE_CLASS
+    assert drafter.context_class(seeded) == n
     while engine.has_unfinished():
         engine.step()

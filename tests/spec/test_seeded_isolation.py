@@ -11,7 +11,7 @@ import torch
 from drafters.draft_model import ModelDrafter
 from engine import SamplingParams
 from engine.config import SpeculativeConfig
-from engine.spec_decode.policy import PRIOR_ACCEPTANCE, Candidate, ClassState, SpecPolicy, StepCosts
+from engine.spec_decode.policy import MIN_PAUSE, PRIOR_ACCEPTANCE, Candidate, ClassState, SpecPolicy, StepCosts
 from tests.spec.bigram import BigramLM, bigram_table, perturbed
 from tests.spec.distribution import PROMPT, V, make_engine
 
@@ -105,3 +105,37 @@ def test_isolation_is_for_seeded_requests_only(seed):
         assert crowded not in (0, alone)
     else:  # neither does: both choose as a request alone on a fresh server
         assert first == crowded == alone == 3
+
+
+def isolated_slots(policy: SpecPolicy, rid: str, isolated: bool = True) -> int:
+    return policy.plan([Candidate(rid, 0, isolated=isolated)], 1).decisions[rid].num_draft_slots
+
+
+def test_a_seeded_request_is_priced_by_the_start_up_costs_whatever_the_tracker_makes_of_them():
+    """The cost tracker replaces ``step_costs`` as steps run slower: a shared request's
+    choice follows it, a seeded one's stays that of the start-up table."""
+    start = StepCosts((1, 2, 5, 9), (1.0, 1.02, 1.06, 1.3), one_token_s=0.01)
+    policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 0.05, start)
+    seeded, shared = isolated_slots(policy, "s"), isolated_slots(policy, "u", isolated=False)
+    policy.step_costs = StepCosts((1, 2, 5, 9), (1.0, 1.3, 2.0, 3.0), one_token_s=0.01, verify_fixed=0.1)
+    assert isolated_slots(policy, "u", isolated=False) < shared  # the new table does change choices
+    assert isolated_slots(policy, "s2") == seeded
+
+
+def test_a_seeded_requests_pause_runs_on_its_own_steps():
+    """Steps that a request does not run (it waited for room in the budget, or was
+    preempted) do not count down its pause: only its own steps do."""
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    for isolated in (True, False):
+        policy = SpecPolicy(config, 0.05, StepCosts.linear(0.05))
+        d = policy.plan([Candidate("r", 0, isolated=isolated)], 1).decisions["r"]
+        while not d.pause:  # every draft rejected until drafting stops paying
+            policy.record("r", d, d.num_draft_slots, 0)
+            policy.end_step()
+            d = policy.plan([Candidate("r", 0, isolated=isolated)], 1).decisions["r"]
+        policy.record("r", d, 0, 0)
+        policy.end_step()
+        for _ in range(3 * MIN_PAUSE):  # steps of other requests
+            policy.end_step()
+        paused = isolated_slots(policy, "r", isolated) == 0
+        assert paused == isolated

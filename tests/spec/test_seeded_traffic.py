@@ -1,0 +1,141 @@
+"""A seeded request writes the same tokens alone, beside 15 other requests, and after
+another request cached its prompt -- on one engine, for every drafter, in the
+conditions that used to leak other traffic into it:
+
+- the measured start-up costs (``verify_cost`` None), which the engine's steps then
+  keep moving (``CostTracker``): a seeded request is priced by the start-up table;
+- a small token budget: prompts in chunks, and drafts competing for room in a step
+  (a seeded request's slots are set aside, never cut; its first output token never
+  drafts, wherever its prompt's chunks end);
+- a prompt of several full blocks, shared with other requests: prefix-cache hits
+  (an EAGLE head would start after the hit, with less context: a seeded request
+  with a head computes its whole prompt);
+- other requests moving the pooled acceptance records (the policy's and
+  ``ngram+eagle``'s choice of drafter): a seeded request reads its own only;
+- steps the seeded request does not run (it is the newest; the budget is short):
+  its pauses run on its own steps.
+"""
+
+import pytest
+import torch
+
+from drafters.draft_model import ModelDrafter
+from engine import SamplingParams
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from engine.llm_engine import LLMEngine
+from engine.spec_decode.cost_tracker import CostTracker
+from engine.spec_decode.policy import SpecPolicy, StepCosts
+from tests.conftest import check_no_lost_blocks
+from tests.spec.eagle_heads import write_random_head
+from tests.spec.test_eagle import small_target
+
+BLOCK = 4
+BUDGET = 24  # tokens per step: the 15 others' prompts take several steps, in chunks
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3]  # 6 full blocks and one token
+SEEDED = SamplingParams(max_tokens=40, temperature=1.0, seed=11, ignore_eos=True)
+DRAFTERS = ["ngram", "draft_model", "early_exit", "eagle", "eagle3", "ngram+eagle", "eagle3-tree"]
+
+
+def soft_target(**kw):
+    """``small_target`` with its head scaled down: distributions spread enough that random
+    drafters' guesses are accepted now and then."""
+    model = small_target(layers=4, **kw)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.2)
+    return model
+
+
+def build(name: str, tmp_path, tokenizer=None) -> LLMEngine:
+    target = soft_target()
+    method, tree = name.removesuffix("-tree"), name.endswith("-tree")
+    drafter = None
+    kw = dict(tree_width=2, max_tree_nodes=6) if tree else {}
+    if method == "draft_model":
+        method, drafter = "test", ModelDrafter(soft_target(), 3, 256, BLOCK, torch.float32,
+                                               torch.device("cpu"), 0.2)
+    elif "eagle" in method:
+        kind = "eagle3" if method.endswith("eagle3") else "eagle"
+        kw["model"] = str(write_random_head(target, kind, tmp_path / kind, seed=2, std=0.3,
+                                            draft_vocab=12 if kind == "eagle3" else None))
+    elif method == "early_exit":
+        kw["num_layers"] = 1
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=4, **kw)  # measured costs, adaptive
+    config = EngineConfig(
+        ModelConfig(max_model_len=128, dtype="float32", device="cpu"),
+        CacheConfig(block_size=BLOCK, num_blocks=256, enable_prefix_caching=True),
+        SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=BUDGET),
+        spec,
+    )
+    engine = LLMEngine(config, model=target, tokenizer=tokenizer, drafter=drafter)
+    # The table timed at start-up, replaced by one shaped as a GPU's (extra rows nearly free
+    # up to a few) and drafts priced at 0.05 of a step: drafting then pays on this tiny model
+    # whatever the machine's load. The tracker moves it with the real steps' times from here.
+    timed = engine.policy.step_costs
+    table = StepCosts(timed.rows, (1.0, 1.02, 1.04, 1.08, 1.3, 2.0, 2.8), one_token_s=timed.one_token_s)
+    engine.policy = SpecPolicy(spec, 0.05, table)
+    engine.cost_tracker = CostTracker(table)
+    return engine
+
+
+def others(prefix: str, n: int) -> list[tuple[str, list[int], SamplingParams]]:
+    """Unseeded traffic: greedy and sampled, on PROMPT (its blocks cached) and on longer prompts."""
+    out = []
+    for i in range(n):
+        prompt = PROMPT + [i % 16, (3 * i) % 16] * (i % 4) if i % 3 else [(7 * i + j) % 16 for j in range(30)]
+        params = SamplingParams(max_tokens=24 + i % 9, temperature=0.0 if i % 2 else 2.0, ignore_eos=True)
+        out.append((f"{prefix}{i}", prompt, params))
+    return out
+
+
+def record_drafts(engine: LLMEngine) -> dict[str, list]:
+    """Request id -> its rounds' drafts as proposed: (tokens, tree, q [n, vocab] or None)."""
+    rounds: dict[str, list] = {}
+    propose = engine.drafter.propose
+
+    def recorded(slots):
+        drafts = propose(slots)
+        for rid, d in drafts.items():
+            rounds.setdefault(rid, []).append((d.token_ids, d.parents, d.probs))
+        return drafts
+
+    engine.drafter.propose = recorded
+    return rounds
+
+
+def same_drafts(a: list, b: list) -> bool:
+    """The same rounds, tokens and trees, and q to the bit."""
+    return len(a) == len(b) and all(
+        x[:2] == y[:2] and (x[2] is None) == (y[2] is None) and (x[2] is None or torch.equal(x[2], y[2]))
+        for x, y in zip(a, b)
+    )
+
+
+def serve(engine: LLMEngine, requests) -> dict[str, list[int]]:
+    reqs = {rid: engine.add_request(rid, prompt, params) for rid, prompt, params in requests}
+    while engine.has_unfinished():
+        engine.step()
+    return {rid: r.output_token_ids for rid, r in reqs.items()}
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_a_seeded_request_writes_the_same_alone_beside_others_and_after_a_cache_hit(name, tmp_path):
+    engine = build(name, tmp_path)
+    assert engine.cost_tracker is not None  # the costs were measured and are tracked
+    stats = []
+    engine.stat_loggers.append(stats.append)
+    drafts = record_drafts(engine)
+    alone = serve(engine, [("s-alone", PROMPT, SEEDED)])["s-alone"]
+    serve(engine, others("warm", 12))  # moves the records and the cost table, caches PROMPT
+    beside = serve(engine, others("busy", 15) + [("s-beside", PROMPT, SEEDED)])["s-beside"]
+    serve(engine, [("cacher", PROMPT, SamplingParams(max_tokens=2, temperature=0.0))])
+    after = serve(engine, [("s-after", PROMPT, SEEDED)])["s-after"]
+    assert beside == alone
+    assert after == alone
+    # Stricter than the tokens: every round drafted the same, with the same q.
+    assert same_drafts(drafts["s-beside"], drafts["s-alone"])
+    assert same_drafts(drafts["s-after"], drafts["s-alone"])
+    # The scenario had its teeth: drafts verified, steps full to the budget, prefix hits.
+    assert sum(s.spec.num_draft_tokens for s in stats) > 80
+    assert any(s.num_scheduled_tokens >= BUDGET - 1 for s in stats)
+    assert sum(s.num_prefix_cache_hits for s in stats) >= 6 * BLOCK
+    check_no_lost_blocks(engine)
