@@ -103,9 +103,11 @@ def record_drafts(engine: LLMEngine) -> dict[str, list]:
 
 
 def same_drafts(a: list, b: list) -> bool:
-    """The same rounds, tokens and trees, and q to the bit."""
+    """The same rounds, tokens and trees, and q within 1e-5 (a drafting pass's last bits may
+    depend on the batch it runs in: docs/cpu.md, batch invariance; a drafter that saw other
+    context, or another request's records, drafts from a q that differs far more)."""
     return len(a) == len(b) and all(
-        x[:2] == y[:2] and (x[2] is None) == (y[2] is None) and (x[2] is None or torch.equal(x[2], y[2]))
+        x[:2] == y[:2] and (x[2] is None) == (y[2] is None) and (x[2] is None or torch.allclose(x[2], y[2], rtol=0, atol=1e-5))
         for x, y in zip(a, b)
     )
 
@@ -131,7 +133,7 @@ def test_a_seeded_request_writes_the_same_alone_beside_others_and_after_a_cache_
     after = serve(engine, [("s-after", PROMPT, SEEDED)])["s-after"]
     assert beside == alone
     assert after == alone
-    # Stricter than the tokens: every round drafted the same, with the same q.
+    # Stricter than the tokens: every round drafted the same, from the same q.
     assert same_drafts(drafts["s-beside"], drafts["s-alone"])
     assert same_drafts(drafts["s-after"], drafts["s-alone"])
     # The scenario had its teeth: drafts verified, steps full to the budget, prefix hits.
