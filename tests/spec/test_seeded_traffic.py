@@ -12,8 +12,8 @@ conditions that used to leak other traffic into it:
   with a head computes its whole prompt);
 - other requests moving the pooled acceptance records (the policy's and
   ``ngram+eagle``'s choice of drafter): a seeded request reads its own only;
-- steps the seeded request does not run (it is the newest; the budget is short):
-  its pauses run on its own steps.
+- steps the seeded request does not run (it is the newest, and the older seeded
+  requests' slots fill the budget): its pauses run on its own steps.
 """
 
 import pytest
@@ -30,7 +30,7 @@ from tests.spec.eagle_heads import write_random_head
 from tests.spec.test_eagle import small_target
 
 BLOCK = 4
-BUDGET = 24  # tokens per step: the 15 others' prompts take several steps, in chunks
+BUDGET = 16  # tokens per step: prompts in chunks; 15 others decoding leave one token for the newest
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3]  # 6 full blocks and one token
 SEEDED = SamplingParams(max_tokens=40, temperature=1.0, seed=11, ignore_eos=True)
 DRAFTERS = ["ngram", "draft_model", "early_exit", "eagle", "eagle3", "ngram+eagle", "eagle3-tree"]
@@ -78,11 +78,13 @@ def build(name: str, tmp_path, tokenizer=None) -> LLMEngine:
 
 
 def others(prefix: str, n: int) -> list[tuple[str, list[int], SamplingParams]]:
-    """Unseeded traffic: greedy and sampled, on PROMPT (its blocks cached) and on longer prompts."""
+    """Traffic: greedy, sampled and (every fifth) seeded, on PROMPT (its blocks cached) and on
+    longer prompts."""
     out = []
     for i in range(n):
         prompt = PROMPT + [i % 16, (3 * i) % 16] * (i % 4) if i % 3 else [(7 * i + j) % 16 for j in range(30)]
-        params = SamplingParams(max_tokens=24 + i % 9, temperature=0.0 if i % 2 else 2.0, ignore_eos=True)
+        seed = 100 + i if i % 5 == 4 else None
+        params = SamplingParams(max_tokens=24 + i % 9, temperature=0.0 if i % 2 else 2.0, seed=seed, ignore_eos=True)
         out.append((f"{prefix}{i}", prompt, params))
     return out
 
