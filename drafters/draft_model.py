@@ -33,6 +33,7 @@ from engine.models.llama import head_dim_of
 from engine.request import Request
 from engine.sampler import build_sampling_batch, exponential_noise, mask_logits, penalized_logits, processed_probs
 from engine.spec_decode.drafter import Draft, Drafter, DraftSlot
+from engine.transfer import to_device
 from kvcache import KVCacheManager
 from kvcache.manager import slot_mapping
 from kvcache.tensors import KVSpec, PagedKV, move_slots
@@ -154,7 +155,7 @@ class ModelDrafter(SamplingDrafter):
             start += len(fed)
             cached.extend(feed)
             self.grown[rid] = (len(tokens), g, len(g.parents))
-        t = lambda a: torch.tensor(a, dtype=torch.long, device=self.device)  # noqa: E731
+        t = lambda a: to_device(a, self.device, torch.long)  # noqa: E731
         meta = self.build_metadata(specs, self.block_size, self.device)
         hidden = self.model(t(ids), t(positions), meta, self.paged, num_layers=self.num_layers)  # [T, hidden]
         return [self.model.compute_logits(hidden[t(r)]) for r in rows]
@@ -195,7 +196,7 @@ class ModelDrafter(SamplingDrafter):
             ids.extend(feed)
             positions.extend(range(start, start + len(feed)))
         meta = self.build_metadata(specs, self.block_size, self.device)
-        t = lambda a: torch.tensor(a, dtype=torch.long, device=self.device)  # noqa: E731
+        t = lambda a: to_device(a, self.device, torch.long)  # noqa: E731
         hidden = self.model(t(ids), t(positions), meta, self.paged, num_layers=self.num_layers)
         last = np.cumsum([sp.query_len for sp in specs]) - 1
         logits = self.model.compute_logits(hidden[t(last)])  # [n, vocab]
@@ -231,7 +232,7 @@ class ModelDrafter(SamplingDrafter):
         if path != list(range(len(path))):
             src = slot_mapping(table, base, base + path[-1] + 1, self.block_size)[path]
             dst = slot_mapping(table, base, base + len(path), self.block_size)
-            move_slots(self.paged, torch.from_numpy(src).to(self.device), torch.from_numpy(dst).to(self.device))
+            move_slots(self.paged, to_device(src, self.device), to_device(dst, self.device))
         del cached[base:]
         cached.extend(g.token_ids[i] for i in path)
 

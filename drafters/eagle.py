@@ -41,6 +41,7 @@ from engine.spec_decode import tree
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
 from engine.gpu_memory import DrafterMemory
+from engine.transfer import to_device
 from kvcache import KVCacheManager
 from kvcache.tensors import KVSpec, PagedKV
 
@@ -193,13 +194,13 @@ class EagleDrafter(SamplingDrafter):
         """One batched head pass; the output [n, H] at each request's last fed pair."""
         specs = [SeqSpec(pos, len(ids), self.kv.block_table(s.request.request_id)) for s, (ids, _, pos) in zip(live, feeds)]
         out = self._forward_all(live, feeds, specs)  # [T, H]
-        return out[torch.from_numpy(np.cumsum([len(f[0]) for f in feeds]) - 1).to(self.device)]
+        return out[to_device(np.cumsum([len(f[0]) for f in feeds]) - 1, self.device)]
 
     def _forward_all(self, live: list[DraftSlot], feeds, specs: list[SeqSpec]) -> torch.Tensor:
         """One batched head pass over ``feeds`` laid out as ``specs``; the output [T, H] of
         every fed pair (a tree's nodes at head position ``pos + depth``)."""
         meta = self.build_metadata(specs, self.block_size, self.device)
-        t = lambda a: torch.tensor(a, dtype=torch.long, device=self.device)  # noqa: E731
+        t = lambda a: to_device(a, self.device, torch.long)  # noqa: E731
         ids = t([tok for f in feeds for tok in f[0]])
         positions = []
         for (_, _, pos), spec in zip(feeds, specs):

@@ -27,6 +27,7 @@ from engine.spec_decode import tree
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
 from engine.spec_decode.drafter import Draft, DraftSlot
+from engine.transfer import to_device
 
 
 class EarlyExitDrafter(SamplingDrafter):
@@ -56,13 +57,13 @@ class EarlyExitDrafter(SamplingDrafter):
             positions.extend((base + tree.depths(fed)).tolist())
             rows.append([start + 1 + n for n in g.level(depth)])
             start += len(fed)
-        t = lambda a: torch.tensor(a, dtype=torch.long, device=self.device)  # noqa: E731
+        t = lambda a: to_device(a, self.device, torch.long)  # noqa: E731
         meta = self.build_metadata(specs, self.block_size, self.device)
         hidden = self.model(t(ids), t(positions), meta, self.target_kv, num_layers=self.num_layers)  # [T, hidden]
         return [self.model.compute_logits(hidden[t(r)]) for r in rows]
 
     def _chains(self, slots: list[DraftSlot]) -> dict[str, Draft]:
-        t = lambda a: torch.tensor(a, dtype=torch.long, device=self.device)  # noqa: E731
+        t = lambda a: to_device(a, self.device, torch.long)  # noqa: E731
         drafts: dict[str, list[int]] = {s.request.request_id: [] for s in slots}
         probs: dict[str, list[torch.Tensor | None]] = {s.request.request_id: [] for s in slots}
         for step in range(max((s.num_tokens for s in slots), default=0)):

@@ -63,6 +63,7 @@ from engine.sampler import (
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.spec_decode.tree_sampler import tree_verify
+from engine.transfer import to_device
 from kvcache.manager import slot_mapping
 from kvcache.tensors import PagedKV, move_slots
 
@@ -211,7 +212,7 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[self._t(np.array(idx))])  # [len(idx), vocab]
         top_n = max(req.params.prompt_logprobs for req, _, _ in spans)
-        lps = compute_logprobs(logits, torch.tensor(targets, device=self.device), top_n, rank=True)
+        lps = compute_logprobs(logits, to_device(targets, self.device, torch.long), top_n, rank=True)
         out, j = {}, 0
         for req, start, n in spans:
             n_top = req.params.prompt_logprobs
@@ -247,7 +248,7 @@ class ModelRunner:
             return result
         meta = build_verify_metadata([d.token_ids if d else [] for d in drafts], [d.parents if d else None for d in drafts],
                                      [d.probs if d else None for d in drafts], self.vocab_size, self.device)
-        k = meta.num_draft_tokens.tolist()
+        k = [len(d.token_ids) if d else 0 for d in drafts]  # from the host's lists: no device sync
         row_req = np.repeat(np.arange(len(requests)), np.array(k) + 1)  # [R] request of each row
         row_pos = np.concatenate([np.arange(ki + 1) for ki in k])  # [R] row within its request
         branches = [tree.path_tokens(d.token_ids, d.parents, len(d.token_ids)) if d else [[]] for d in drafts]
@@ -256,8 +257,8 @@ class ModelRunner:
                                      [None] * len(row_req), prefixes)
         masked = self._masked(logits, [(requests[i].request_id, p) for i, p in zip(row_req, row_pos)])
         argmax = penalized_logits(masked, batch).argmax(-1)  # [R]
-        greedy = torch.tensor([r.params.greedy for r in requests], device=self.device)
-        emit_rows = paths = None  # chains: row i emits output token i
+        greedy = to_device([r.params.greedy for r in requests], self.device)
+        nodes = None
         if batch.all_greedy:
             probs = uniforms = noise = None
         else:
@@ -265,23 +266,24 @@ class ModelRunner:
             uniforms, noise = self._randomness(k, self._generators(requests))
         if meta.children is not None:
             out, accepted, nodes = tree_verify(argmax, meta, greedy, probs, uniforms, noise)
-            paths = [[x for x in row if x >= 0] for row in nodes.tolist()]
-            self._keep_accepted_paths(sched, paths)
-            emit_rows = [[0] + [x + 1 for x in p] for p in paths]
         elif batch.all_greedy:
             out, accepted = greedy_verify(argmax, meta)
         else:
             out, accepted = rejection_sample(probs, argmax, meta, greedy, uniforms, noise)
+        out, accepted, nodes = _to_host(out, accepted, nodes)
+        paths = None if nodes is None else [[x for x in row if x >= 0] for row in nodes]
+        if paths is not None:
+            self._keep_accepted_paths(sched, paths)
         result = RunnerOutput({}, num_drafted={}, num_accepted={})
-        for i, (r, tokens, j) in enumerate(zip(requests, out.tolist(), accepted.tolist())):
+        for i, (r, tokens, j) in enumerate(zip(requests, out, accepted)):
             result.sampled[r.request_id] = tokens[: j + 1]
             if k[i]:
                 result.num_drafted[r.request_id] = k[i]
                 result.num_accepted[r.request_id] = j
             if paths is not None and paths[i] and drafts[i].parents is not None:
                 result.accepted_nodes[r.request_id] = paths[i]
-        if emit_rows is None:
-            emit_rows = [list(range(j + 1)) for j in accepted.tolist()]
+        # Row of each emitted token: a chain's row i emits output token i; a tree's path, its nodes' rows.
+        emit_rows = [list(range(j + 1)) for j in accepted] if paths is None else [[0] + [x + 1 for x in p] for p in paths]
         if batch.num_logprobs is not None:
             self._add_chain_logprobs(result, logits, row_req, row_pos, requests, batch.num_logprobs, emit_rows)
         return result
@@ -326,8 +328,8 @@ class ModelRunner:
         ``j`` of request ``r`` came from its row ``emit_rows[r][j]``."""
         order = [{row: j for j, row in enumerate(rows)} for rows in emit_rows]
         keep = [i for i, (r, p) in enumerate(zip(row_req, row_pos)) if p in order[r]]
-        tokens = torch.tensor([result.sampled[requests[row_req[i]].request_id][order[row_req[i]][row_pos[i]]] for i in keep],
-                              device=self.device)
+        tokens = to_device([result.sampled[requests[row_req[i]].request_id][order[row_req[i]][row_pos[i]]] for i in keep],
+                           self.device, torch.long)
         self._add_logprobs(result, logits[self._t(np.array(keep))], tokens, [requests[row_req[i]] for i in keep], top_n)
 
     def _plain_greedy(self, requests: list[RequestState]) -> bool:
@@ -350,7 +352,7 @@ class ModelRunner:
         return apply_bitmask(logits, idx, torch.stack([masks[rows[j][0]][rows[j][1]] for j in idx]))
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+        return to_device(a, self.device)
 
     def _generators(self, requests: list[RequestState]) -> list[torch.Generator | None]:
         return [self._generator(r.request_id, r.params) for r in requests]
@@ -362,6 +364,16 @@ class ModelRunner:
         if g is None:
             g = self.generators[request_id] = torch.Generator(self.device).manual_seed(params.seed)
         return g
+
+
+def _to_host(out: torch.Tensor, accepted: torch.Tensor, nodes: torch.Tensor | None):
+    """The verification's results on the host in one copy (one sync on a GPU): out [n, L + 1],
+    accepted [n] and nodes [n, L'] (or None) -> lists of lists, a list, lists of lists (or None)."""
+    parts = [out, accepted.unsqueeze(1)] + ([nodes] if nodes is not None else [])
+    rows = torch.cat(parts, dim=1).tolist()
+    width = out.shape[1]
+    return ([r[:width] for r in rows], [r[width] for r in rows],
+            None if nodes is None else [r[width + 1 :] for r in rows])
 
 
 def _greedy_rule(logits: torch.Tensor, requests: list[RequestState], drafts: list[Draft | None]) -> RunnerOutput:

@@ -23,6 +23,7 @@ import torch
 
 from engine.outputs import TokenLogprob
 from engine.request import Request
+from engine.transfer import to_device
 
 
 @dataclass
@@ -40,10 +41,8 @@ class SamplingBatch:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values)
     generators: list[torch.Generator | None]  # per row; None: the shared generator
     num_logprobs: int | None  # max top-N asked by any row; None: no row wants logprobs
-
-    @property
-    def all_greedy(self) -> bool:
-        return bool(self.greedy.all())
+    all_greedy: bool = False  # known on the host, so that deciding costs no device sync
+    any_greedy: bool = False
 
 
 def build_sampling_batch(
@@ -59,12 +58,12 @@ def build_sampling_batch(
     verification row's penalties count the drafts before it as output tokens.
     """
     params = [r.params for r in requests]
-    f = lambda vals: torch.tensor(vals, dtype=torch.float32, device=device)  # noqa: E731
-    greedy = torch.tensor([p.greedy for p in params], device=device)
+    f = lambda vals: to_device(vals, device, torch.float32)  # noqa: E731
+    greedy = to_device([p.greedy for p in params], device, torch.bool)
     temperature = f([1.0 if p.greedy else p.temperature for p in params])
     top_k = top_p = min_p = penalties = counts = seen = bias = None
     if any(p.top_k for p in params):
-        top_k = torch.tensor([p.top_k or vocab_size for p in params], device=device)
+        top_k = to_device([p.top_k or vocab_size for p in params], device, torch.long)
     if any(p.top_p < 1 for p in params):
         top_p = f([p.top_p for p in params])
     if any(p.min_p > 0 for p in params):
@@ -75,11 +74,11 @@ def build_sampling_batch(
     if any(p.logit_bias for p in params):
         entries = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items() if t < vocab_size]
         rows, toks, vals = zip(*entries) if entries else ((), (), ())
-        bias = (torch.tensor(rows, dtype=torch.long), torch.tensor(toks, dtype=torch.long), f(vals))
+        bias = (to_device(rows, device, torch.long), to_device(toks, device, torch.long), f(vals))
     wanted = [p.logprobs for p in params if p.logprobs is not None]
-    return SamplingBatch(
-        temperature, greedy, top_k, top_p, min_p, penalties, counts, seen, bias, generators, max(wanted, default=None)
-    )
+    flags = [p.greedy for p in params]
+    return SamplingBatch(temperature, greedy, top_k, top_p, min_p, penalties, counts, seen, bias, generators,
+                         max(wanted, default=None), all(flags), any(flags))
 
 
 def _token_counts(requests: list[Request], drafted: list[tuple[int, ...]], vocab_size: int, device):
@@ -88,9 +87,9 @@ def _token_counts(requests: list[Request], drafted: list[tuple[int, ...]], vocab
     counts = torch.zeros(n, vocab_size, device=device)
     seen = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
     for i, (r, extra) in enumerate(zip(requests, drafted)):
-        out = torch.tensor(r.output_token_ids + list(extra), dtype=torch.long, device=device)
+        out = to_device(r.output_token_ids + list(extra), device, torch.long)
         counts[i].index_add_(0, out, torch.ones(len(out), device=device))
-        seen[i, torch.tensor(r.token_ids + list(extra), dtype=torch.long, device=device)] = True
+        seen[i, to_device(r.token_ids + list(extra), device, torch.long)] = True
     return counts, seen
 
 
@@ -131,14 +130,12 @@ def processed_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """The processed distribution p of each row. [n, vocab].
 
     A row with no finite logit left (extreme penalties or biases) would be NaN;
-    it becomes one-hot at its raw argmax instead.
+    it becomes one-hot at its raw argmax instead (chosen on the device: no host sync).
     """
     probs = processed_logits(logits, b).softmax(-1)
-    bad = ~torch.isfinite(probs).all(dim=-1)
-    if bad.any():
-        fallback = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(probs.dtype)
-        probs = torch.where(bad.unsqueeze(1), fallback, probs)
-    return probs
+    bad = ~torch.isfinite(probs).all(dim=-1, keepdim=True)  # [n, 1]
+    fallback = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(bad, fallback, probs)
 
 
 def exponential_noise(shape: tuple[int, int], generators: list, device) -> torch.Tensor:
@@ -157,7 +154,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     probs = processed_probs(logits, b)
     noise = exponential_noise(probs.shape, b.generators, probs.device)
     random = (probs / noise).argmax(-1)
-    if not b.greedy.any():
+    if not b.any_greedy:
         return random
     return torch.where(b.greedy, penalized_logits(logits, b).argmax(-1), random)
 
@@ -217,7 +214,7 @@ def grammar_bitmask(grammars: Sequence, prefixes: Sequence[Sequence[int]], vocab
 def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> torch.Tensor:
     """``logits`` [n, V] with row ``rows[j]``'s tokens outside ``bitmask[j]`` at -inf (a copy)."""
     allowed = unpack_bitmask(bitmask, logits.shape[-1]).to(logits.device)  # [len(rows), V]
-    index = torch.tensor(rows, device=logits.device)
+    index = to_device(rows, logits.device, torch.long)
     out = logits.clone()
     out[index] = logits[index].masked_fill(~allowed, -torch.inf)
     return out

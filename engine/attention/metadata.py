@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from engine.spec_decode import tree
+from engine.transfer import to_device
 
 # Requests with more new tokens than this are attended on their own.
 MAX_BATCHED_QUERY = 64
@@ -140,13 +141,13 @@ def _solo(spec: SeqSpec, start: int, block_size: int, device) -> SoloQuery:
     if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
         span = (blocks[0] * block_size, kv_len)
     else:
-        slots = torch.from_numpy(token_slots(spec.block_table, kv_len, block_size)).to(device)
+        slots = to_device(token_slots(spec.block_table, kv_len, block_size), device)
     if spec.query_len == 1 and spec.parents is None:
         return SoloQuery(start, end, slots, span, None, causal=False)  # one token sees everything
     mask = np.ones((spec.query_len, kv_len), dtype=bool)
     new = tree_mask(spec.parents) if spec.parents else np.tri(spec.query_len, dtype=bool)
     mask[:, spec.context_len :] = new
-    return SoloQuery(start, end, slots, span, torch.from_numpy(mask).to(device), causal=False)
+    return SoloQuery(start, end, slots, span, to_device(mask, device), causal=False)
 
 
 def _batched(specs: list[SeqSpec], starts: list[int], total_tokens: int, block_size: int, device) -> BatchedQuery:
@@ -173,7 +174,7 @@ def _batched(specs: list[SeqSpec], starts: list[int], total_tokens: int, block_s
     valid_rows = np.flatnonzero(valid)
     valid_tokens = token_index.reshape(-1)[valid_rows]
     rows_are_tokens = bool(valid.all()) and np.array_equal(valid_tokens, np.arange(total_tokens))
-    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    to = lambda a: to_device(a, device)  # noqa: E731
     return BatchedQuery(
         to(token_index), to(valid), to(kv_slots), to(mask[:, None]), to(valid_rows), to(valid_tokens), rows_are_tokens
     )
@@ -207,7 +208,7 @@ def build_attention_metadata(specs: list[SeqSpec], block_size: int, device="cpu"
     starts = np.concatenate([[0], np.cumsum([s.query_len for s in specs])]).tolist()
     all_slots = [token_slots(s.block_table, s.context_len + s.query_len, block_size) for s in specs]
     slot_mapping = np.concatenate([slots[s.context_len :] for s, slots in zip(specs, all_slots)])
-    meta = AttentionMetadata(torch.from_numpy(slot_mapping).to(device), specs=list(specs))
+    meta = AttentionMetadata(to_device(slot_mapping, device), specs=list(specs))
     if listed:
         meta.listed = _listed(specs, starts[:-1], all_slots)
         return meta

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from engine.attention.metadata import MAX_BATCHED_QUERY, SeqSpec, token_slots, tree_mask
+from engine.transfer import to_device
 
 
 @dataclass
@@ -79,7 +80,7 @@ def _group(specs: list[SeqSpec], starts: list[int], kv_lens: list[int], causal: 
         n = min(width, len(s.block_table))
         tables[r, :n] = s.block_table[:n]
     index = np.concatenate([np.arange(b, b + s.query_len) for b, s in zip(starts, specs)])
-    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    to = lambda a: to_device(a, device)  # noqa: E731
     cu = lambda a: to(np.concatenate([[0], np.cumsum(a)]).astype(np.int32))  # noqa: E731
     return VarlenGroup(to(index), cu(qlen), cu(kv), int(qlen.max()), int(kv.max()), to(tables), causal)
 
@@ -96,7 +97,7 @@ def _tree_part(specs: list[SeqSpec], starts: list[int], device) -> TreePart:
         mask[r, m:] = mask[r, m - 1]
     valid_rows = np.flatnonzero(np.arange(max_m)[None, :] < qlen[:, None])
     has_prefix = np.repeat([s.context_len > 0 for s in specs], qlen)
-    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    to = lambda a: to_device(a, device)  # noqa: E731
     return TreePart(to(token_index), to(mask), to(valid_rows), to(token_index.reshape(-1)[valid_rows]), to(has_prefix))
 
 
@@ -135,4 +136,4 @@ def build_varlen_metadata(
         sub, sub_starts = [specs[i] for i in trees], [starts[i] for i in trees]
         tree_prefix = _group(sub, sub_starts, [s.context_len for s in sub], False, block_size, device)
         tree = _tree_part(sub, sub_starts, device)
-    return VarlenMetadata(torch.from_numpy(slot_mapping).to(device), kernel, groups, tree_prefix, tree, list(specs))
+    return VarlenMetadata(to_device(slot_mapping, device), kernel, groups, tree_prefix, tree, list(specs))

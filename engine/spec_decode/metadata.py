@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from engine.spec_decode import tree
+from engine.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class VerifyMetadata:
     draft_probs: torch.Tensor | None  # [D, V] q of each draft (one-hot for deterministic ones); None: all one-hot
     children: torch.Tensor | None  # [R, W] long: draft index of each row's children, -1 padded; None: all chains
     max_num_draft_tokens: int
+    max_depth: int = 0  # levels of the deepest draft tree (a chain of k: k), for loops with no host sync
 
     @property
     def num_requests(self) -> int:
@@ -69,7 +71,7 @@ def build_verify_metadata(
     local_parents = [np.asarray(p if p is not None else tree.chain(len(t)), dtype=np.int64) for t, p in zip(token_ids, parents)]
     request_index = np.repeat(np.arange(len(k)), k)
     target = np.concatenate([first[r] + p + 1 for r, p in enumerate(local_parents)]) if k.sum() else np.zeros(0, np.int64)
-    to = lambda a: torch.as_tensor(np.asarray(a, dtype=np.int64), device=device)  # noqa: E731
+    to = lambda a: to_device(np.asarray(a, dtype=np.int64), device)  # noqa: E731
     flat_ids = [t for ids in token_ids for t in ids]
     trees = any(p is not None and not tree.is_chain(p) for p in parents) if with_children is None else with_children
     return VerifyMetadata(
@@ -83,6 +85,7 @@ def build_verify_metadata(
         draft_probs=_stack_probs(flat_ids, probs, k, vocab_size, device),
         children=to(_children(local_parents, first, cu - k)) if trees else None,
         max_num_draft_tokens=int(k.max()) if len(k) else 0,
+        max_depth=max((int(tree.depths(tuple(p.tolist())).max()) + 1 for p in local_parents if len(p)), default=0),
     )
 
 
@@ -93,7 +96,7 @@ def _stack_probs(flat_ids: list[int], probs, k: np.ndarray, vocab_size: int, dev
     if not any(p is not None for p in probs):
         return None
     q = torch.zeros(len(flat_ids), vocab_size, device=device)
-    q[torch.arange(len(flat_ids)), torch.tensor(flat_ids, dtype=torch.long)] = 1.0
+    q[torch.arange(len(flat_ids), device=device), to_device(flat_ids, device, torch.long)] = 1.0
     start = np.cumsum(k) - k
     for p, s, n in zip(probs, start, k):
         if p is not None:

@@ -45,7 +45,7 @@ def rejection_sample(
     """Returns ``(output_ids [n, K + 1], num_accepted [n])``."""
     ids, rows = meta.draft_token_ids, meta.target_logits_indices  # [D], [D]
     p_x = target_probs[rows, ids]  # [D]
-    q_x = torch.ones_like(p_x) if meta.draft_probs is None else meta.draft_probs[torch.arange(len(ids)), ids]
+    q_x = torch.ones_like(p_x) if meta.draft_probs is None else meta.draft_probs[torch.arange(len(ids), device=ids.device), ids]
     accept_random = uniforms * q_x < p_x  # u < p/q without dividing by a zero q
     accept_greedy = ids == target_argmax[rows]
     accept = torch.where(greedy[meta.request_index], accept_greedy, accept_random)  # [D]
@@ -74,10 +74,9 @@ def _first_rejection(accept: torch.Tensor, meta: VerifyMetadata) -> torch.Tensor
     draft, k_r when none is: the number of accepted drafts of a chain."""
     start = meta.draft_starts  # [n]
     pos = torch.arange(len(accept), device=accept.device) - start[meta.request_index]  # [D]
-    rejected = ~accept
-    return meta.num_draft_tokens.clone().scatter_reduce(
-        0, meta.request_index[rejected], pos[rejected], reduce="amin", include_self=True
-    )
+    # An accepted draft offers k_r, which changes no minimum: no boolean indexing (a host sync).
+    offered = torch.where(accept, meta.num_draft_tokens[meta.request_index], pos)
+    return meta.num_draft_tokens.clone().scatter_reduce(0, meta.request_index, offered, reduce="amin", include_self=True)
 
 
 def _assemble(meta: VerifyMetadata, num_accepted: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
@@ -101,13 +100,12 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def _draft_row(meta: VerifyMetadata, num_accepted: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """q at row J (the first rejected draft); zeros when J = k (bonus). [n, V]."""
-    rejected = num_accepted < meta.num_draft_tokens  # [n]
-    q = torch.zeros_like(like)
-    if not rejected.any():
-        return q
-    d = (meta.draft_starts + num_accepted)[rejected]  # flat index of each rejected draft
+    rejected = (num_accepted < meta.num_draft_tokens).unsqueeze(1)  # [n, 1]
+    if len(meta.draft_token_ids) == 0:  # no drafts at all (a shape, known on the host)
+        return torch.zeros_like(like)
+    d = (meta.draft_starts + num_accepted).clamp(max=len(meta.draft_token_ids) - 1)  # [n] each request's draft J
     if meta.draft_probs is None:
-        q[rejected] = q[rejected].scatter_(1, meta.draft_token_ids[d].unsqueeze(1), 1.0)
+        q = torch.zeros_like(like).scatter_(1, meta.draft_token_ids[d].unsqueeze(1), 1.0)
     else:
-        q[rejected] = meta.draft_probs[d]
-    return q
+        q = meta.draft_probs[d]
+    return torch.where(rejected, q, 0.0)  # masks, not boolean indexing: no host sync

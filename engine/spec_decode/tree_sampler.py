@@ -73,7 +73,8 @@ def tree_verify(
     uniforms: torch.Tensor | None = None,  # [D] U[0, 1), one per node
     noise: torch.Tensor | None = None,  # [n, V] Exp(1) for the recovered / bonus token
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(output_ids [n, L + 1], num_accepted [n], accepted_nodes [n, L])``."""
+    """Returns ``(output_ids [n, L + 1], num_accepted [n], accepted_nodes [n, L])``, L the
+    deepest tree's levels (``meta.max_depth``), rows padded with PLACEHOLDER."""
     children, ids, q_all = meta.children, meta.draft_token_ids, meta.draft_probs
     width = children.shape[1]
     n = meta.num_requests
@@ -83,13 +84,11 @@ def tree_verify(
     done = torch.zeros(n, dtype=torch.bool, device=cur.device)
     path: list[torch.Tensor] = []  # accepted draft (flat index) per depth, -1 where none
     r = target_probs[cur] if target_probs is not None else None  # [n, V]
-    while not done.all():
+    for _ in range(meta.max_depth + 1):  # one level a pass; bounds known on the host: no device sync
         moved = torch.zeros_like(done)
         for j in range(width):
             child = children[cur, j]  # [n] flat draft index
             trying = ~done & ~moved & (child >= 0)
-            if not trying.any():
-                break
             c = child.clamp(min=0)
             x = ids[c]  # [n]
             accept = x == target_argmax[cur]

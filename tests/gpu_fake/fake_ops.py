@@ -265,6 +265,8 @@ class PythonBindings(TorchFunctionMode):
             if isinstance(args[0], FakeTensor):
                 self.gpu.retrack(args[0], value(args[1]))
             return None
+        if func is torch.Tensor.pin_memory:  # a CPU build has no pinned memory: recorded, not done
+            return self.gpu.pin(args[0].clone())
         if func is torch.nonzero and args and isinstance(args[0], FakeTensor):
             return _ON_FAKE[torch.Tensor.nonzero](self.gpu, *args, **kwargs)
         if kwargs.get("generator") is not None:

@@ -36,11 +36,14 @@ def logits_for(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, V, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def on_both(fn):
-    """fn(device) on the CPU and on fake CUDA -> (cpu result, fake result's values)."""
+def on_both(fn, syncs: int = 0):
+    """fn(device) on the CPU and on fake CUDA -> (cpu result, fake result's values); on CUDA
+    ``fn`` may sync the host ``syncs`` times at most (its inputs built, its outputs unread)."""
     cpu = fn("cpu")
-    with fake_cuda():
+    with fake_cuda() as gpu:
+        inputs = gpu.counts.num_syncs
         out = fn("cuda")
+        assert gpu.counts.num_syncs - inputs <= syncs, gpu.counts
         flat = out if isinstance(out, tuple) else (out,)
         assert all(t.device.type == "cuda" for t in flat if isinstance(t, torch.Tensor))
         got = tuple(value(t) for t in flat) if isinstance(out, tuple) else value(out)

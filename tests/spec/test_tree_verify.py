@@ -47,7 +47,8 @@ def greedy_walk(argmax_rows: list[int], tokens: list[int]):
     meta = build_verify_metadata([tokens], [PARENTS], [None], 10)
     assert meta.children.tolist() == tree.children_table(PARENTS, 2).tolist()  # one request: its own table
     out, acc, nodes = tree_verify(torch.tensor(argmax_rows), meta, torch.tensor([True]))
-    return out[0].tolist(), int(acc[0]), nodes[0].tolist()
+    n = int(acc[0])  # the rows are padded to the deepest tree's levels
+    return out[0].tolist()[: n + 1], n, nodes[0].tolist()[:n]
 
 
 def test_greedy_walk_follows_the_matching_child_then_takes_the_target_token():
@@ -74,7 +75,7 @@ def test_deterministic_siblings_second_child_accepted_against_the_updated_residu
     def run(u0, u1, noise=(1.0, 1.0, 1.0)):
         out, acc, _ = tree_verify(p.argmax(-1), meta, torch.tensor([False]), p, torch.tensor([u0, u1]),
                                   torch.tensor([noise]))
-        return out[0].tolist(), int(acc[0])
+        return out[0].tolist()[: int(acc[0]) + 1], int(acc[0])
 
     assert run(0.4, 0.99) == ([0, 0], 1)  # child 0 accepted, bonus from its row (all on token 0)
     assert run(0.6, 0.5) == ([1, 2], 1)  # child 0 rejected, child 1 accepted (0.5 < 0.6), bonus token 2
