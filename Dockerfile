@@ -7,28 +7,29 @@
 # /opt/venv with torch, flash-attn and specserve; `runtime` (CUDA runtime image)
 # gets only that virtualenv and a Python interpreter at the same path.
 #
-# torch comes from PyPI, whose Linux wheels are CUDA builds (torch 2.13: CUDA 13.0,
-# which wants an NVIDIA driver >= 580). CUDA_VERSION must be the CUDA of the torch
-# wheel; for an older driver pick a torch built for CUDA 12 and a matching image, e.g.
-#   --build-arg CUDA_VERSION=12.8.1 --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+# What the image needs: an x86_64 NVIDIA GPU of compute capability 8.0 or newer
+# (A100, L4, H100, H200, ...; flash-attn 2 needs Ampere) and a driver >= 570 (CUDA
+# 12.8). torch is pinned to 2.8.0 built for CUDA 12.8 because flash-attn 2.8.3
+# publishes release wheels for torch 2.4-2.8 and CUDA 12 only; Ubuntu 24.04's Python
+# 3.12 picks flash_attn-2.8.3+cu12torch2.8cxx11abiTRUE-cp312-cp312-linux_x86_64.whl
+# (deploy/flash_attn_wheel.py names it, as flash-attn's setup.py does). The build
+# fails when that wheel is missing or does not load (deploy/flash_attn_check.py),
+# so an image that builds has flash-attn.
 #
-# flash-attn: its prebuilt release wheel for this torch / CUDA / Python
-# (deploy/flash_attn_wheel.py names it), and nothing else. When that wheel does not
-# exist (flash-attn 2.8.3 has none for CUDA 13 torches), the image goes without
-# flash-attn and `--attention-backend auto` serves with the torch_varlen fallback:
-# the log line "engine ready: ... attention NAME" says which. To compile flash-attn
-# from source instead (nvcc, tens of minutes; why the build stage is the devel image):
-# --build-arg FLASH_ATTN_SOURCE_BUILD=true; to pass a wheel built once elsewhere:
-# --build-arg FLASH_ATTN_WHEEL=https://.../flash_attn-...whl; to leave it out:
-# --build-arg WITH_FLASH_ATTN=false.
+# Other torches: --build-arg TORCH_VERSION=... TORCH_INDEX_URL=... CUDA_VERSION=...
+# (CUDA_VERSION must be the torch wheel's CUDA), with either
+# --build-arg FLASH_ATTN_SOURCE_BUILD=true (compiles flash-attn with nvcc: tens of
+# minutes, in this devel stage), or --build-arg FLASH_ATTN_WHEEL=https://.../x.whl (a
+# wheel built once elsewhere), or --build-arg WITH_FLASH_ATTN=false (no flash-attn:
+# the engine serves with the torch_varlen fallback and /health says so).
 
-ARG CUDA_VERSION=13.0.1
+ARG CUDA_VERSION=12.8.1
 ARG UBUNTU_VERSION=24.04
 
 FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION} AS build
 
-ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://pypi.org/simple
+ARG TORCH_VERSION=2.8.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 ARG WITH_FLASH_ATTN=true
 ARG FLASH_ATTN_VERSION=2.8.3
 ARG FLASH_ATTN_SOURCE_BUILD=false
@@ -60,14 +61,12 @@ RUN python3 -m venv /opt/venv \
 RUN --mount=type=bind,source=deploy/flash_attn_wheel.py,target=/tmp/flash_attn_wheel.py \
     if [ "${WITH_FLASH_ATTN}" != "true" ]; then exit 0; fi \
     && WHEEL="${FLASH_ATTN_WHEEL:-$(python /tmp/flash_attn_wheel.py "${FLASH_ATTN_VERSION}")}" \
-    && if pip install "${WHEEL}"; then \
-         echo "flash-attn from ${WHEEL}"; \
-       elif [ "${FLASH_ATTN_SOURCE_BUILD}" = "true" ]; then \
+    && if [ "${FLASH_ATTN_SOURCE_BUILD}" = "true" ]; then \
          pip install "packaging==25.0" "ninja==1.13.0" "psutil==7.1.0" "einops==0.8.1" \
          && FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS}" MAX_JOBS="${MAX_JOBS}" \
               pip install --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}"; \
        else \
-         echo "no prebuilt flash-attn wheel ${WHEEL}: the image serves with the torch_varlen attention backend"; \
+         pip install --no-deps "${WHEEL}"; \
        fi
 
 # The project last: its layers are the only ones a code change rebuilds.
@@ -78,8 +77,11 @@ COPY engine /src/engine
 COPY kvcache /src/kvcache
 COPY drafters /src/drafters
 # Without the `gpu` extra: flash-attn is installed above or not at all, never built here by pip.
-RUN pip install /src \
-    && python -c "import torch, server.cli, engine.attention.backends as b; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'flash-attn', b.flash_attn_installed())"
+# flash-attn must load with this torch and its kernel entry must run (no GPU at build time).
+RUN --mount=type=bind,source=deploy/flash_attn_check.py,target=/tmp/flash_attn_check.py \
+    pip install /src \
+    && python -c "import torch, server.cli; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
+    && if [ "${WITH_FLASH_ATTN}" = "true" ]; then python /tmp/flash_attn_check.py; fi
 
 
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS runtime

@@ -153,6 +153,27 @@ def test_flash_attn_comes_from_its_prebuilt_wheel_or_not_at_all():
     assert not dockerignored("deploy/flash_attn_wheel.py")
 
 
+# flash-attn 2.8.3's release wheels: CUDA 12 only, torch 2.4 to 2.8, cp39 to cp313, both C++ ABIs.
+FLASH_2_8_3_TORCHES = ("2.4", "2.5", "2.6", "2.7", "2.8")
+
+
+def test_the_image_pins_a_torch_that_flash_attn_has_a_wheel_for():
+    """torch, its CUDA build and the CUDA image agree, and flash-attn 2.8.3 has a release
+    wheel for them: the one a real release lists (its name, from its release page)."""
+    from deploy.flash_attn_wheel import wheel_name
+
+    args = build_args()
+    torch_mm = ".".join(args["TORCH_VERSION"].split(".")[:2])
+    cuda = args["CUDA_VERSION"]
+    assert args["FLASH_ATTN_VERSION"] == "2.8.3" and torch_mm in FLASH_2_8_3_TORCHES
+    assert cuda.startswith("12.") and args["TORCH_INDEX_URL"].endswith("/cu" + "".join(cuda.split(".")[:2]))
+    assert args["UBUNTU_VERSION"] == "24.04"  # Python 3.12; PyTorch's Linux wheels of 2.7+ use the C++11 ABI
+    name = wheel_name(args["FLASH_ATTN_VERSION"], f"{args['TORCH_VERSION']}+cu128", cuda, True, (3, 12))
+    assert name == "flash_attn-2.8.3+cu12torch2.8cxx11abiTRUE-cp312-cp312-linux_x86_64.whl"
+    runs = " ".join(a for k, a in instructions() if k == "RUN")
+    assert "flash_attn_check.py" in runs and not dockerignored("deploy/flash_attn_check.py")
+
+
 def test_flash_attn_wheel_name_follows_its_setup_py():
     from deploy.flash_attn_wheel import wheel_name, wheel_url
 

@@ -117,6 +117,7 @@ def varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, 
                window_size_left, window_size_right, softcap, return_softmax, gen):
     """``mha_varlen_fwd``'s checks and contract (see the module doc)."""
     paged = block_table is not None
+    _check(q.is_cuda, f"Expected a CUDA device, got {q.device} (flash-attn's device guard)")
     _check(torch.cuda.get_device_capability(q.device)[0] >= 8, "FlashAttention only supports Ampere GPUs or newer.")
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, paged)
     _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, paged)

@@ -144,3 +144,19 @@ def test_tree_split_and_merge_match_flex_attention(kernel):
         torch.testing.assert_close(out[start : start + m], ref_out, atol=tol, rtol=tol)
         torch.testing.assert_close(lse[start : start + m], ref_lse, atol=tol, rtol=tol)
         start += m
+
+
+def test_the_image_build_check_over_flash_attns_interface(tmp_path, monkeypatch):
+    """deploy/flash_attn_check.py, which the Docker build runs without a GPU: it passes when
+    the kernels load and their entry runs, and fails on a wheel that does not load."""
+    from deploy.flash_attn_check import check
+
+    with real_flash_attn():
+        assert check().startswith("flash-attn 2.8.3 loads with torch")
+    broken = tmp_path / "flash_attn_2_cuda.py"
+    broken.write_text("raise ImportError('undefined symbol: _ZN3c104cuda9SetDeviceEi')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with real_flash_attn():
+        monkeypatch.delitem(__import__("sys").modules, "flash_attn_2_cuda")
+        with pytest.raises(ImportError, match="undefined symbol"):
+            check()
