@@ -18,7 +18,11 @@ runs. Sections:
    default model (SmolLM2-135M-Instruct), per backend;
 6. CUDA only: Llama-3-8B shapes (random weights, bf16): the cost of a pass over
    1, 2, 4, 8, 16 tokens per request and over a 16-node tree relative to a
-   decode step at batch 1, 8, 32, and decode tokens/s against the HBM roofline.
+   decode step at batch 1, 8, 32, and decode tokens/s against the HBM roofline (the
+   weights a step reads, the embedding table but its rows excepted, and the KV);
+7. the paths that crashed before their first CUDA run (``bench.gpu_paths``): a Llama 3
+   rope checkpoint, logprobs under speculation, a drafter on the device, and
+   tensor parallelism when two GPUs are visible.
 """
 
 import argparse
@@ -32,6 +36,7 @@ from pathlib import Path
 import torch
 
 from bench.common import ROOT, markdown_table
+from bench.gpu_paths import cuda_paths
 from engine.attention.backends import BACKENDS, flash_attn_installed, select_backend
 
 HBM_BYTES_PER_S = 4.8e12  # H200
@@ -209,7 +214,11 @@ def llama8b(args, plot_path: Path) -> str:
     shapes = TINY if args.tiny else LLAMA_8B
     tokens, context, repeats = [1, 2, 4, 8, 16], (64 if args.tiny else 512), (1 if args.tiny else 8)
     model = build(shapes, args.device, args.dtype, context + 17)
+    # A decode step reads every weight but the embedding table (only its rows), and each request's KV.
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    read_bytes = weight_bytes - model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    attn = model.layers[0].self_attn
+    kv_bytes = 2 * len(model.layers) * attn.num_kv_heads * attn.head_dim * args.dtype.itemsize * context  # a request's
     names = dict.fromkeys(["torch", select_backend("auto", args.device, args.dtype).name])
     parts, curves = [], {}
     for name in names:
@@ -219,7 +228,7 @@ def llama8b(args, plot_path: Path) -> str:
         header = ["batch", "decode ms", "tok/s", "roofline %"] + [f"{n} tok x" for n in tokens[1:]] + ["tree16 x"]
         rows = []
         for b in args.batches:
-            roof = b * HBM_BYTES_PER_S / weight_bytes
+            roof = b * HBM_BYTES_PER_S / (read_bytes + b * kv_bytes)  # tokens/s when the step is all reads
             rows.append([b, f"{ms[b][1]:.2f}", f"{b * 1000 / ms[b][1]:.0f}", f"{100 * b * 1000 / ms[b][1] / roof:.0f}"]
                         + [f"{ms[b][n] / ms[b][1]:.2f}" for n in tokens[1:]] + [f"{tree[b] / ms[b][1]:.2f}"])
             curves[(name, b)] = [ms[b][n] / ms[b][1] for n in tokens]
@@ -227,7 +236,8 @@ def llama8b(args, plot_path: Path) -> str:
     _plot(curves, tokens, plot_path)
     what = "tiny config (smoke run)" if args.tiny else "Llama-3-8B shapes, random weights"
     return (f"{what}, {str(args.dtype).removeprefix('torch.')}, {weight_bytes / 1e9:.1f} GB of weights, {context} tokens "
-            f"of context; roofline = batch x {HBM_BYTES_PER_S / 1e12:.1f} TB/s / weight bytes; 'n tok x' = a pass over n "
+            f"of context; roofline = batch x {HBM_BYTES_PER_S / 1e12:.1f} TB/s / (bytes of the weights but the embedding "
+            f"+ batch x {kv_bytes / 1e6:.1f} MB of KV a request); 'n tok x' = a pass over n "
             f"tokens per request in decode steps; targets: batch-1 roofline >= 70 %, 8 tok x <= 1.1 and tree16 x <= 1.15 "
             f"at batch 1, 4 tok x <= 1.5 at batch 32.\n\n" + "\n\n".join(parts))
 
@@ -273,7 +283,7 @@ def main(argv=None) -> dict:
     args.batches = [1, 8, 32] if not args.tiny else [1, 8]
     args.out.mkdir(parents=True, exist_ok=True)
     sections = [("environment", environment), ("gpu tests", gpu_tests), ("backends vs reference", backends_vs_reference),
-                ("greedy equality", greedy_equality), ("throughput", throughput),
+                ("greedy equality", greedy_equality), ("CUDA paths", cuda_paths), ("throughput", throughput),
                 ("Llama-3-8B shapes", lambda a: llama8b(a, args.out / "gpu_check.png"))]
     start, results, body = time.perf_counter(), {}, []
     for name, fn in sections:

@@ -156,8 +156,18 @@ class FakeCuda:
         return SimpleNamespace(name=self.name, total_memory=self.total_bytes, major=9, minor=0, multi_processor_count=132)
 
     def patches(self) -> dict:
-        """The ``torch.cuda`` functions replaced while the harness is on."""
+        """The ``torch.cuda`` functions replaced while the harness is on (classes stay
+        classes: annotations such as ``torch.cuda.Stream | None`` evaluate)."""
         gpu = self
+
+        class Event(_Event):
+            def __init__(self, *_args, **_kw):
+                super().__init__(gpu)
+
+        class Stream(_Stream):
+            def __init__(self, *_args, **_kw):
+                super().__init__(gpu)
+
         return dict(
             is_available=lambda: True, device_count=lambda: gpu.device_count, current_device=lambda: 0,
             set_device=lambda *_: None, get_device_name=lambda *_: gpu.name, get_device_properties=gpu.properties,
@@ -165,8 +175,7 @@ class FakeCuda:
             synchronize=gpu.synchronize, mem_get_info=gpu.mem_get_info, memory_allocated=lambda *_: gpu.allocated,
             max_memory_allocated=lambda *_: gpu.peak, memory_reserved=lambda *_: gpu.allocated,
             max_memory_reserved=lambda *_: gpu.peak, reset_peak_memory_stats=gpu.reset_peak, empty_cache=lambda: None,
-            Event=lambda *a, **k: _Event(gpu), Stream=lambda *a, **k: _Stream(gpu),
-            current_stream=lambda *_: _Stream(gpu), stream=lambda *_: contextlib.nullcontext(),
+            Event=Event, Stream=Stream, current_stream=lambda *_: Stream(), stream=lambda *_: contextlib.nullcontext(),
         )
 
 

@@ -36,3 +36,16 @@ def test_prompt_logprobs_on_cuda():
         engine = cuda_engine(cuda_model())
         (req,), _ = run(engine, [SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)], [[3, 4, 5, 6, 7]])
         assert [lp.token_id for lp in req.prompt_logprobs] == [4, 5, 6, 7]
+
+
+def test_the_device_checks_cuda_paths_on_fake_cuda():
+    """bench.gpu_paths, the device check's section for these paths, runs on fake CUDA too."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from bench.gpu_paths import cuda_paths
+
+    with fake_cuda():
+        report = cuda_paths(SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16))
+    assert report.count("| ok |") == 3, report
