@@ -62,17 +62,41 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     """Tensor parallelism: ``tensor_parallel_size`` processes, each holding a shard of
-    the target model and of its KV cache (``engine.distributed``)."""
+    the target model and of its KV cache (``engine.distributed``), spread evenly over
+    ``nnodes`` machines (torchrun's conventions: node ``node_rank`` runs ranks
+    ``node_rank * L .. node_rank * L + L - 1``, L = size / nnodes; node 0 runs rank 0,
+    the server). The group meets at ``master_addr:master_port`` (port 0: any free port,
+    one machine only)."""
 
     tensor_parallel_size: int = 1
     collective_timeout_s: float = 60.0  # a collective waiting longer fails the step (a hung rank)
     heartbeat_timeout_s: float = 10.0  # a worker silent this long is declared hung
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
 
     def __post_init__(self):
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.collective_timeout_s <= 0 or self.heartbeat_timeout_s <= 0:
             raise ValueError("collective_timeout_s and heartbeat_timeout_s must be positive")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in 0 .. nnodes - 1, got {self.node_rank} of {self.nnodes}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} does not split over {self.nnodes} nodes")
+        if self.nnodes > 1 and not 0 < self.master_port < 65536:
+            raise ValueError("several nodes need --master-port (the port rank 0 listens on for the group)")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The tensor-parallel ranks this node runs."""
+        first = self.node_rank * self.ranks_per_node
+        return range(first, first + self.ranks_per_node)
 
 
 @dataclass(frozen=True)
@@ -90,9 +114,13 @@ class EngineConfig:
 
     def threads_per_rank(self) -> int:
         """CPU threads each tensor-parallel rank gives torch: ``num_threads`` when set,
-        else the cores shared out between the ranks (at least one each)."""
-        cores = os.cpu_count() or 1
-        return self.model.num_threads or max(1, cores // self.parallel.tensor_parallel_size)
+        else this machine's cores shared out between its ranks (at least one each)."""
+        return self.model.num_threads or cpu_share(self.parallel.ranks_per_node)
+
+
+def cpu_share(num_ranks: int) -> int:
+    """This machine's cores divided between ``num_ranks`` processes (at least one each)."""
+    return max(1, (os.cpu_count() or 1) // num_ranks)
 
 
 @dataclass(frozen=True)

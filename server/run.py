@@ -81,9 +81,14 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def run_server(settings: ServerSettings) -> int:
-    """Serve until SIGTERM / SIGINT; returns the process exit status (0 after a SIGTERM drain)."""
+    """Serve until SIGTERM / SIGINT; returns the process exit status (0 after a SIGTERM drain).
+    With ``--headless`` (nodes 1 .. nnodes - 1) run this node's tensor-parallel workers instead."""
     configure_logging(settings.log_level, settings.log_format)
     log.info("CPU threading: %s", openmp.describe())
+    if settings.headless:
+        from engine.distributed.headless import run_headless
+
+        return run_headless(settings.engine_config().parallel)
     server = build_server(settings)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:

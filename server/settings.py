@@ -46,7 +46,16 @@ class ServerSettings(BaseSettings):
         '"num_speculative_tokens": k, ...}; see README',
     )
     tensor_parallel_size: int = Field(
-        1, ge=1, description="processes the model is split across (gloo on the CPU, NCCL on GPUs; see README)"
+        1, ge=1, description="processes the model is split across (gloo on the CPU, NCCL on GPUs; see docs/parallelism.md)"
+    )
+    nnodes: int = Field(1, ge=1, description="machines the tensor-parallel group spans (torchrun's --nnodes)")
+    node_rank: int = Field(0, ge=0, description="this machine's index, 0 .. nnodes - 1; node 0 runs the server")
+    master_addr: str = Field("127.0.0.1", description="address of node 0, where the group meets")
+    master_port: int = Field(
+        0, ge=0, lt=65536, description="port node 0 listens on for the group (0: any free port, one machine only)"
+    )
+    headless: bool = Field(
+        False, description="run this node's tensor-parallel workers only, no HTTP server (nodes 1 .. nnodes - 1)"
     )
     # -- KV cache and scheduler (engine) --
     block_size: int = Field(16, gt=0, description="tokens per KV-cache block")
@@ -119,6 +128,13 @@ class ServerSettings(BaseSettings):
         return v
 
     @model_validator(mode="after")
+    def _check_nodes(self):
+        if self.headless != (self.node_rank > 0):
+            raise ValueError("--headless is for the nodes other than node 0 (--node-rank 1 ..), and they need it")
+        self.engine_config()  # raises ValueError for a group that does not split
+        return self
+
+    @model_validator(mode="after")
     def _check_protect_metrics(self):
         if self.protect_metrics and self.api_key is None:
             raise ValueError("protect_metrics needs an api_key")
@@ -153,5 +169,8 @@ class ServerSettings(BaseSettings):
                 max_waiting=self.max_waiting,
             ),
             speculative=SpeculativeConfig.from_dict(self.speculative_config),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size, nnodes=self.nnodes, node_rank=self.node_rank,
+                master_addr=self.master_addr, master_port=self.master_port,
+            ),
         )

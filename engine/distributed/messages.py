@@ -1,9 +1,9 @@
 """The typed messages between rank 0 and the other tensor-parallel ranks.
 
-Rank 0 sends each worker one message per model call over its pipe (pickled
-plain data: numpy arrays, ``SeqSpec``s, numbers); the activations then meet in
-the collectives inside the layers (``engine.parallel``). A worker answers only
-at start-up (``Joining``, then ``Ready`` or ``LoadFailed``).
+Rank 0 sends every worker one message per model call through the control channel
+(``channel.Channel``: pickled plain data, numpy arrays, ``SeqSpec``s, numbers); the
+activations then meet in the collectives inside the layers (``engine.parallel``).
+Workers answer only at start-up, through the store (``channel.Handshake``).
 """
 
 from dataclasses import dataclass
@@ -14,19 +14,28 @@ from engine.attention import SeqSpec
 
 
 @dataclass(frozen=True)
-class WorkerInit:
-    """Everything a worker needs to join the group and load its shard."""
+class Rendezvous:
+    """Where and as what one worker process joins the group (its start arguments)."""
 
     rank: int
+    local_rank: int  # its index among the ranks of its node (its GPU there)
     world_size: int
-    store_port: int  # rank 0's TCPStore on 127.0.0.1
+    master_addr: str
+    master_port: int
+    timeout_s: float  # the store's: how long a worker waits for rank 0 at start-up
+
+
+@dataclass(frozen=True)
+class WorkerInit:
+    """What every worker needs to load its shard, published by rank 0 in the store."""
+
     backend: str  # gloo | nccl
-    model_path: str
+    model_path: str  # the same path on every node
     attention_backend: str  # rank 0's (engine.attention.backends): every rank attends the same way
     dtype: str  # torch dtype name, e.g. "float32"
-    device: str  # this rank's device, e.g. "cpu" or "cuda:1"
+    device: str  # rank 0's, e.g. "cpu" or "cuda:2": node 0's rank r on cuda:2+r, other nodes' from cuda:0
     max_positions: int
-    num_threads: int
+    num_threads: int | None  # CPU threads per rank; None: each node shares out its own cores
     collective_timeout_s: float
 
 
@@ -65,26 +74,3 @@ class ComputeLogits:
 @dataclass(frozen=True)
 class Shutdown:
     """Leave the loop and exit."""
-
-
-@dataclass(frozen=True)
-class Joining:
-    """Worker -> rank 0: imports done, joining the group now (rank 0 joins once all are here,
-    so a slow start does not count against the group's timeout)."""
-
-    rank: int
-
-
-@dataclass(frozen=True)
-class Ready:
-    """Worker -> rank 0: the group is joined and the shard loaded."""
-
-    rank: int
-
-
-@dataclass(frozen=True)
-class LoadFailed:
-    """Worker -> rank 0: start-up failed."""
-
-    rank: int
-    error: str

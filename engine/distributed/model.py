@@ -6,7 +6,8 @@ model. Each ``forward`` / ``compute_logits`` first sends the call to the other
 ranks as a typed message (``messages``), then runs rank 0's shard; the
 collectives inside the layers (``engine.parallel``) join the ranks' parts, so
 every rank ends with the same hidden states and rank 0 with the full logits.
-Each rank holds its attention and KV heads (whole KV heads with their query
+The ranks may span nodes (``ParallelConfig.nnodes``; the other nodes run
+``specserve serve --headless``). Each rank holds its attention and KV heads (whole KV heads with their query
 heads, split as evenly as they go: SmolLM2's 3 KV heads over 2 ranks are 2 and
 1), its slice of the MLP, of the vocabulary-parallel embedding and head, and
 its KV-cache shard. Layout per rank::
@@ -26,8 +27,8 @@ import torch
 from engine.config import EngineConfig
 from engine.distributed.executor import TPWorkers
 from engine.distributed.group import backend_for
-from engine.distributed.messages import AllocateKV, ComputeLogits, ForwardStep, ReleaseKV, WorkerInit
 from engine.attention.backends import select_backend
+from engine.distributed.messages import AllocateKV, ComputeLogits, ForwardStep, ReleaseKV, WorkerInit
 from engine.loader import load_config, load_model
 from engine.models.llama import head_dim_of
 
@@ -78,32 +79,34 @@ def load_target(path, config: EngineConfig, dtype: torch.dtype, device: torch.de
     """The target model: loaded whole at ``tensor_parallel_size`` 1; otherwise the
     workers are started, each loads its shard, and rank 0's shard comes back
     wrapped in a ``TensorParallelModel``."""
-    size = config.parallel.tensor_parallel_size
+    parallel = config.parallel
+    size = parallel.tensor_parallel_size
     if size == 1:
         return load_model(path, dtype, device, max_positions=max_positions)
-    check_parallel(load_config(path), size, device)  # before any process starts
     hf_config = load_config(path)
+    check_parallel(hf_config, size, device, parallel.ranks_per_node)  # before any process starts
     attention = select_backend(config.model.attention_backend, device, dtype, head_dim_of(hf_config)).name
     init = WorkerInit(
-        rank=0, world_size=size, store_port=0, backend=backend_for(device.type), model_path=str(path),
-        attention_backend=attention,
+        backend=backend_for(device.type), model_path=str(path), attention_backend=attention,
         dtype=str(dtype).removeprefix("torch."), device=str(device), max_positions=max_positions,
-        num_threads=config.threads_per_rank(), collective_timeout_s=config.parallel.collective_timeout_s,
+        num_threads=config.model.num_threads, collective_timeout_s=parallel.collective_timeout_s,
     )
-    workers = TPWorkers(init, config.parallel.heartbeat_timeout_s)
+    workers = TPWorkers(init, parallel)
     try:
         local = load_model(path, dtype, device, workers.group, max_positions)
         workers.wait_ready()
     except BaseException:
         workers.shutdown()
         raise
-    log.info("tensor parallelism: %d ranks (%s), worker pids %s", size, init.backend,
-             [w.process.pid for w in workers.workers])
+    log.info("tensor parallelism: %d ranks on %d node(s) (%s), local worker pids %s", size, parallel.nnodes,
+             init.backend, [w.process.pid for w in workers.workers])
     return TensorParallelModel(local, workers)
 
 
-def check_parallel(hf_config, size: int, device: torch.device) -> None:
-    """Raises ValueError, before any process starts, when the model cannot be split ``size`` ways."""
+def check_parallel(hf_config, size: int, device: torch.device, ranks_per_node: int | None = None) -> None:
+    """Raises ValueError, before any process starts, when the model cannot be split ``size`` ways
+    (``ranks_per_node`` of them on this machine: all by default)."""
+    ranks_per_node = ranks_per_node or size
     where = f"--tensor-parallel-size {size}"
     if hf_config.num_key_value_heads < size:
         raise ValueError(
@@ -113,10 +116,10 @@ def check_parallel(hf_config, size: int, device: torch.device) -> None:
     if hf_config.vocab_size % size:
         raise ValueError(f"{where}: the vocabulary ({hf_config.vocab_size} tokens) does not split evenly")
     first = device.index or 0
-    if device.type == "cuda" and first + size > torch.cuda.device_count():
-        raise ValueError(f"{where} from cuda:{first}: only {torch.cuda.device_count()} CUDA devices "
-                         "(one rank per device, rank r on cuda:first+r)")
-    if device.type == "cpu" and size > (os.cpu_count() or 1):
+    if device.type == "cuda" and first + ranks_per_node > torch.cuda.device_count():
+        raise ValueError(f"{where} from cuda:{first}: only {torch.cuda.device_count()} CUDA devices for the "
+                         f"{ranks_per_node} ranks of this node (one rank per device, rank r on cuda:first+r)")
+    if device.type == "cpu" and ranks_per_node > (os.cpu_count() or 1):
         log.warning("%s exceeds the %d CPU cores: the ranks will share cores", where, os.cpu_count())
 
 

@@ -1,6 +1,5 @@
 """Which device, attention backend and GPUs the engine takes, and that it says why."""
 
-import multiprocessing as mp
 import warnings
 
 import numpy as np
@@ -80,13 +79,18 @@ def test_flash_attn_needs_a_head_dim_its_kernels_take(monkeypatch):
 
 
 def test_tensor_parallel_ranks_take_one_gpu_each_from_the_first():
-    from engine.distributed.executor import _rank_device
+    from engine.distributed.messages import Rendezvous
     from engine.distributed.model import check_parallel
+    from engine.distributed.worker import rank_device
     from tests.gpu_fake.engines import TINY
     from transformers import LlamaConfig
 
-    assert [_rank_device("cuda:1", r) for r in (1, 2)] == ["cuda:2", "cuda:3"]
-    assert _rank_device("cuda", 1) == "cuda:1" and _rank_device("cpu", 1) == "cpu"
+    def device(rank0: str, rank: int, local_rank: int) -> str:
+        return str(rank_device(rank0, Rendezvous(rank, local_rank, 4, "127.0.0.1", 1, 1.0)))
+
+    assert [device("cuda:1", r, r) for r in (1, 2)] == ["cuda:2", "cuda:3"]
+    assert device("cuda", 1, 1) == "cuda:1" and device("cpu", 1, 1) == "cpu"
+    assert [device("cuda:1", r, r - 2) for r in (2, 3)] == ["cuda:0", "cuda:1"]  # node 1 counts from cuda:0
     config = LlamaConfig(**TINY)
     with fake_cuda(device_count=2):
         check_parallel(config, 2, torch.device("cuda:0"))
@@ -110,8 +114,14 @@ def test_workers_attend_with_rank_0s_backend():
         def parameters(self):
             yield torch.zeros(1)
 
-    ours, theirs = mp.Pipe()
-    for msg in (AllocateKV(4, 16), ForwardStep(np.array([1, 2]), np.array([0, 1]), [SeqSpec(0, 2, [0])], None), Shutdown()):
-        ours.send(msg)
-    _serve(theirs, Shard(), torch.device("cpu"), TORCH_VARLEN.build_metadata)
+    class Messages:  # rank 0's channel, as the worker reads it
+        def __init__(self, *msgs):
+            self.msgs = list(msgs)
+
+        def recv(self):
+            return self.msgs.pop(0)
+
+    channel = Messages(AllocateKV(4, 16), ForwardStep(np.array([1, 2]), np.array([0, 1]), [SeqSpec(0, 2, [0])], None),
+                       Shutdown())
+    assert _serve(channel, Shard(), torch.device("cpu"), TORCH_VARLEN.build_metadata)
     assert seen == [VarlenMetadata]

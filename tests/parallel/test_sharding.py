@@ -11,7 +11,7 @@ from transformers import LlamaConfig
 
 from engine.attention import SeqSpec, build_attention_metadata
 from engine.config import ParallelConfig
-from engine.distributed.group import host_store, join_store, make_group
+from engine.distributed.group import LOOPBACK, host_store, join_store, make_group
 from engine.distributed.model import check_parallel
 from engine.distributed.worker import kv_spec
 from engine.loader import load_model
@@ -41,12 +41,12 @@ def prefill_then_decode(model, prompt: list[int]) -> torch.Tensor:
 
 
 def run_ranks(path, size: int, prompt: list[int]) -> list[torch.Tensor]:
-    store = host_store(size, 30)
+    store = host_store(LOOPBACK, 0, size, 30)
     out: list = [None] * size
 
     def rank(r: int) -> None:
         try:
-            tp = make_group(store if r == 0 else join_store(store.port, size, 30), r, size, "gloo", 30)
+            tp = make_group(store if r == 0 else join_store(LOOPBACK, store.port, size, 30), r, size, "gloo", 30, LOOPBACK)
             out[r] = prefill_then_decode(load_model(path, torch.float32, CPU, tp, 256), prompt)
         except BaseException as e:  # noqa: BLE001 - reported by the test
             out[r] = e
@@ -74,11 +74,11 @@ def test_heads_split_by_whole_kv_heads(checkpoint):
     """3 KV heads over 2 ranks: 2 + 1, each with its 2 query heads; each rank reads its slice."""
     full = load_model(checkpoint, torch.float32, CPU, max_positions=256)
     q_rows = TINY["hidden_size"] // TINY["num_attention_heads"] * 2  # rows of one KV head's query group
-    store = host_store(2, 30)
+    store = host_store(LOOPBACK, 0, 2, 30)
     shards: list = [None, None]
 
     def rank(r):
-        tp = make_group(store if r == 0 else join_store(store.port, 2, 30), r, 2, "gloo", 30)
+        tp = make_group(store if r == 0 else join_store(LOOPBACK, store.port, 2, 30), r, 2, "gloo", 30, LOOPBACK)
         shards[r] = load_model(checkpoint, torch.float32, CPU, tp, 256)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
