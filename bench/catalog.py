@@ -56,6 +56,7 @@ def _section(b: Benchmark) -> list[str]:
     if not md.is_file():
         return lines + [f"No result on file yet: `python -m bench {b.name}` writes one.", ""]
     body = md.read_text().split("\n", 1)[1].strip()  # the file's own title is the section's
+    body = re.sub(r"^- (Commit|Run): .*\n", "", body, flags=re.M)  # when and at which commit: the file's, not the docs'
     body = re.sub(r"^(#+) ", r"#\1 ", body, flags=re.M)  # its headings go under the section's
     body = re.sub(r"\]\(([\w.-]+\.png)\)", r"](results/\1)", body)  # plots are published as results/
     lines += [f"Result: `bench/results/{b.name}.md`", "", body, ""]
@@ -75,10 +76,11 @@ def page() -> str:
         "",
         "`python -m bench` lists the benchmarks; `python -m bench NAME [ARGS]` runs one (`NAME --help`",
         "gives its flags). Each run compares its systems side by side, prompt by prompt, and overwrites",
-        "`bench/results/NAME.md` (and `NAME.png` where it plots), stamped with the machine, the commit",
-        "and the command. The prompt sets are vendored in `bench/data/` (Spec-Bench's questions,",
-        "MT-Bench's among them; Apache-2.0), so no benchmark needs anything outside the repository,",
-        "except `peers`, which runs the peer servers it finds installed.",
+        "`bench/results/NAME.md` (and `NAME.png` where it plots), stamped with the machine, the commit,",
+        "the time and the command; this page shows the machine and the command. The prompt sets are",
+        "vendored in `bench/data/` (Spec-Bench's questions, MT-Bench's among them; Apache-2.0), so no",
+        "benchmark needs anything outside the repository, except `peers`, which runs the peer servers",
+        "it finds installed.",
         "",
         "Absolute speeds differ between machines and from run to run on a shared one; the ratios",
         "within one result, measured side by side, are the figures to compare. A result whose stamp",

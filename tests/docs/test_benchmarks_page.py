@@ -55,6 +55,7 @@ def test_write_report_stamps_and_rewrites_the_page(tmp_path, monkeypatch):
     assert re.search(r"- Commit: [0-9a-f]{7,}", text)
     page = (tmp_path / "benchmarks.md").read_text()
     assert "## plain" in page and "| 1 |" in page and "Plain decoding throughput" in page
+    assert "- Machine: " in page and "- Commit:" not in page and "- Run:" not in page  # docs carry no history
     monkeypatch.setattr(sys, "argv", ["pytest"])  # called from Python: the benchmark's own command
     common.write_report("plain", "Plain decoding", "x", "python -m bench.plain --prompts 1")
     assert "- Command: `python -m bench.plain --prompts 1`" in (tmp_path / "results" / "plain.md").read_text()
