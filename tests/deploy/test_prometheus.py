@@ -20,13 +20,18 @@ def test_config_passes_promtool(promtool):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_scrapes_the_compose_service(prometheus_config, compose):
+def test_scrapes_every_replica_and_the_router(prometheus_config, compose):
     (job,) = [j for j in prometheus_config["scrape_configs"] if j["job_name"] == "specserve"]
     assert job.get("metrics_path", "/metrics") == "/metrics"
-    (target,) = [t for sc in job["static_configs"] for t in sc["targets"]]
-    host, port = target.split(":")
-    assert host in compose["services"]
-    assert f"{port}:{port}" in compose["services"][host]["ports"]
+    targets = [t for sc in job["static_configs"] for t in sc["targets"]]
+    replicas = [name for name, svc in compose["services"].items() if svc.get("build", {}).get("dockerfile") == "Dockerfile"]
+    assert sorted(targets) == sorted(f"{name}:8000" for name in replicas) and len(replicas) >= 2
+    for target in targets:
+        assert "8000" in compose["services"][target.split(":")[0]]["expose"]
+    (router,) = [j for j in prometheus_config["scrape_configs"] if j["job_name"] == "router"]
+    (target,) = [t for sc in router["static_configs"] for t in sc["targets"]]
+    assert target == "router:" + next(a.split("=")[1] for a in compose["services"]["router"]["command"]
+                                      if a.startswith("--prometheus-port="))
 
 
 def test_grafana_rate_interval_matches_the_scrape_interval(prometheus_config, grafana_datasource, compose):
