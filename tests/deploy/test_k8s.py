@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from server.settings import ServerSettings
+from server.run import BACKSTOP_S
 from tests.deploy.conftest import DEPLOY, check_server_args, load_yaml
 from tests.deploy.test_dockerfile import final_stage
 
@@ -95,8 +95,16 @@ def test_grace_period_covers_pre_stop_and_drain(k8s):
     pod = k8s["Deployment"]["spec"]["template"]["spec"]
     pre_stop = container(k8s)["lifecycle"]["preStop"]["exec"]["command"]
     sleep = int(pre_stop[-1]) if pre_stop[0] == "sleep" else 0
-    drain = ServerSettings.model_fields["shutdown_timeout"].default
-    assert pod["terminationGracePeriodSeconds"] >= sleep + drain + 5
+    args = container(k8s)["args"]
+    drain = float(args[args.index("--drain-delay") + 1]) + float(args[args.index("--shutdown-timeout") + 1])
+    assert pod["terminationGracePeriodSeconds"] >= sleep + drain + BACKSTOP_S
+
+
+def test_the_readiness_probe_sees_the_drain_delay(k8s):
+    """Out of the Service (and the router's view) before the listener closes."""
+    probe = container(k8s)["readinessProbe"]
+    args = container(k8s)["args"]
+    assert float(args[args.index("--drain-delay") + 1]) > probe["periodSeconds"] * probe["failureThreshold"]
 
 
 def test_server_arguments_are_accepted_by_the_cli(k8s):
