@@ -18,7 +18,7 @@ row above by the whole drift::
 Rows beyond the observed ones drift as the observed row did, so the table keeps
 its timed shape above the rows the steps reach: otherwise the largest observed
 batch would pull its entry up to the unobserved one above, and drafts there
-would look free. The policy's relative table is ``s / s_0``, made non-decreasing.
+would look free. The policy's relative table is ``s / s_0``, shaped (``shaped``).
 One slow step moves an entry by at most ``alpha`` (5%). Observations come only
 from steps already run: the plan of a step never depends on its own drafts.
 
@@ -83,12 +83,21 @@ class CostTracker:
         return self.table()
 
     def table(self) -> StepCosts:
-        costs, floor = [], 1.0
-        for s in self.seconds:
-            floor = max(floor, s / self.seconds[0])
-            costs.append(floor)
-        return StepCosts(self.rows, tuple(costs), one_token_s=self.seconds[0],
-                         verify_fixed=self.verify_s / self.seconds[0])
+        costs = shaped(self.rows, [s / self.seconds[0] for s in self.seconds])
+        return StepCosts(self.rows, costs, one_token_s=self.seconds[0], verify_fixed=self.verify_s / self.seconds[0])
+
+
+def shaped(rows: tuple[int, ...], ratios: list[float]) -> tuple[float, ...]:
+    """``T(R) / T(1)`` at ``rows`` (increasing, from 1) as a pass's time behaves: a fixed
+    part (the weights read once) and work per row beyond the first that gets no cheaper as
+    rows grow, so ``(T(R) - 1) / (R - 1)`` never falls; a ratio below that floor is raised
+    to it. A time that came out low on a loaded machine would otherwise make every row past
+    it look free, and the policy would fill a large batch with drafts that cost a full row each."""
+    out = [1.0]
+    for prev, r, ratio in zip(rows, rows[1:], ratios[1:]):
+        per_row = (out[-1] - 1) / (prev - 1) if prev > 1 else 0.0  # mean cost of the rows so far
+        out.append(max(ratio, 1 + per_row * (r - 1)))
+    return tuple(out)
 
 
 @torch.inference_mode()
@@ -126,9 +135,9 @@ def measure_step_costs(model, runner, max_rows: int, block_size: int, max_len: i
     # Interleaved, and the minimum of each: robust to other work on a shared machine.
     times = [[run(r) for r in rows] for _ in range(repeats)]
     best = [min(t[i] for t in times) for i in range(len(rows))]
-    # More rows never cost less: a slow outlier at some R is capped by the larger R after it.
-    costs = [max(1.0, min(best[i:]) / best[0]) for i in range(len(rows))]
-    return StepCosts(tuple(rows), tuple(costs), one_token_s=best[0])
+    # A slow outlier at some R is capped by the larger R after it; a fast one is raised by ``shaped``.
+    costs = shaped(tuple(rows), [min(best[i:]) / best[0] for i in range(len(rows))])
+    return StepCosts(tuple(rows), costs, one_token_s=best[0])
 
 
 def synchronize(device: torch.device) -> None:

@@ -1,0 +1,65 @@
+"""The policy at high load: draft rows only where the measured costs pay for them.
+
+A table timed on a loaded 2-core AVX2 machine (SmolLM2-135M, ngram with 16 drafts, 64
+requests at most: rows up to 64 + 16) came out with its largest row no dearer than the
+one before: every draft past 65 rows looked free, and at 64 requests the policy drafted
+16 a request at an acceptance of 0.2.
+"""
+
+import random
+
+import pytest
+
+from engine.config import SpeculativeConfig
+from engine.spec_decode.cost_tracker import shaped
+from engine.spec_decode.policy import Candidate, SpecPolicy, StepCosts
+
+ROWS = (1, 2, 3, 5, 9, 17, 33, 65, 80)
+TIMED = (1.0, 1.0, 1.0, 1.30, 1.73, 2.61, 4.55, 6.89, 6.89)  # T(R) / T(1) as timed there
+
+
+def test_a_time_that_came_out_low_is_raised_to_the_mean_cost_of_the_rows_before_it():
+    costs = shaped(ROWS, list(TIMED))
+    assert costs[:7] == TIMED[:7]  # the rows below 65 cost at least the mean of the rows before them
+    per_row = (TIMED[6] - 1) / 32  # the mean cost of rows 2..33
+    assert costs[7] == pytest.approx(1 + 64 * per_row) and costs[8] == pytest.approx(1 + 79 * per_row)
+    # A staircase of register groups (1-4 rows at the price of one, then a step) is kept.
+    stairs = (1.0, 1.0, 1.0, 1.25, 1.5, 2.0)
+    assert shaped(ROWS[:6], list(stairs)) == stairs
+    assert shaped((1, 2, 5), [1.0, 0.9, 1.2]) == (1.0, 1.0, 1.2)  # never below a one-token pass
+
+
+def simulate(costs: StepCosts, acceptance: float, batch: int = 64, steps: int = 400) -> tuple[float, float]:
+    """``batch`` ngram requests decoding for ``steps`` steps, each draft accepted with
+    probability ``acceptance`` while the ones before it were: (draft tokens per 100 output
+    tokens, output tokens per request and step)."""
+    policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=16), 0.0, costs)
+    rng, drafted, tokens = random.Random(0), 0, 0
+    candidates = [Candidate(f"r{i}", 4) for i in range(batch)]
+    for _ in range(steps):
+        plan = policy.plan(candidates, batch)
+        for rid, d in plan.decisions.items():
+            accepted = 0
+            while accepted < d.num_draft_slots and rng.random() < acceptance:
+                accepted += 1
+            policy.record(rid, d, d.num_draft_slots, accepted)
+            drafted += d.num_draft_slots
+            tokens += accepted
+        tokens += batch
+        policy.end_step(plan)
+    return 100 * drafted / tokens, tokens / (batch * steps)
+
+
+def test_at_64_requests_with_low_acceptance_drafting_backs_off_to_almost_plain():
+    """Each draft row costs about a request's share of a step there: at an acceptance of
+    0.2 the policy probes now and then and otherwise decodes plainly (the timed table as
+    it came out drafted ~60 tokens per 100 output tokens)."""
+    drafts, _ = simulate(StepCosts(ROWS, shaped(ROWS, list(TIMED))), acceptance=0.2)
+    assert drafts < 3
+
+
+def test_at_64_requests_cheap_rows_and_high_acceptance_still_draft():
+    rows, timed = (1, 65, 80, 129), (1.0, 1.1, 1.15, 1.4)  # a memory-bound pass: rows nearly free
+    assert shaped(rows, list(timed)) == timed
+    drafts, per_step = simulate(StepCosts(rows, timed), acceptance=0.8)
+    assert drafts > 50 and per_step > 1.5
