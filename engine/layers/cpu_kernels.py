@@ -120,7 +120,7 @@ def build(compiler: str, flags: tuple[str, ...]):
     lib.silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.rope_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.decoder_layer_f32.argtypes = (
-        [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 19 + [ctypes.c_int]
+        [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 20 + [ctypes.c_int]
     )
     for f in (lib.matmul_f32, lib.rms_norm_f32, lib.paged_attention_f32, lib.silu_mul_f32, lib.rope_f32,
               lib.decoder_layer_f32):
@@ -216,18 +216,21 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 def layer_args(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
                norms: tuple[torch.Tensor, torch.Tensor], matrices: tuple[KernelWeight, ...],
-               qkv_bias: torch.Tensor | None = None, qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple:
+               qkv_bias: torch.Tensor | None = None, qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+               matmul: int | None = None) -> tuple:
     """A decoder layer's constant arguments of ``decoder_layer``: its sizes, and the addresses
     of its input and post-attention norms' weights (float32, contiguous), of its qkv, o,
-    gate+up and down matrices (``kernel_weight``), and of its qkv bias and per-head q and k
-    norm weights where it has them, none of them ever moved afterwards."""
+    gate+up and down matrices (``kernel_weight``; or, with ``matmul``, the address of a C
+    function of csrc/cpu_kernels.c's ``layer_matmul_fn``, the handles it reads, as ints), and
+    of its qkv bias and per-head q and k norm weights where it has them, none of them ever
+    moved afterwards."""
     extra = (qkv_bias,) + (qk_norms or (None, None))
     assert all(w.dtype == torch.float32 and w.is_contiguous() for w in (*norms, *(t for t in extra if t is not None)))
     ln1, ln2 = (w.data_ptr() for w in norms)
-    qkv, o, gate_up, down = (m.data.data_ptr() for m in matrices)
+    qkv, o, gate_up, down = (m if isinstance(m, int) else m.data.data_ptr() for m in matrices)
     b_qkv, q_norm, k_norm = (None if t is None else t.data_ptr() for t in extra)
     return (hidden, heads, kv_heads, head_dim, inter, eps, head_dim**-0.5, ln1, qkv, o, ln2, gate_up, down,
-            b_qkv, q_norm, k_norm)
+            b_qkv, q_norm, k_norm, matmul)
 
 
 def step_args(cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor,

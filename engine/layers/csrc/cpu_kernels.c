@@ -83,11 +83,25 @@ void rope_f32(const float *x, int64_t x_stride, const float *cos, const float *s
  * features side by side, In = 2 Hd, while x, the residual, is the features; ln1 unused).
  * b_qkv [(H + 2 KVH) D] (Qwen2's biases) is added to the qkv product, and q_norm, k_norm [D]
  * (Qwen3's) rms-normalize each query and key head before rope; NULL where the model has none.
+ * mm: NULL for weights in matmul_f32's layout; otherwise the matmul that reads the four
+ * weight pointers as its own handles (GGUF blocks: quant_kernels.c, quant_layer_matmul).
  * scratch: at least T * (2 Hd + (2 H + 3 KVH) D + H D + 3 I) floats. */
+typedef void (*layer_matmul_fn)(const void *w, const float *x, float *y, int64_t M, int64_t N, int64_t K,
+                                int num_threads);
+
+static void layer_matmul(layer_matmul_fn mm, const float *x, const float *w, float *y, int64_t M, int64_t N,
+                         int64_t K, int num_threads) {
+    if (mm)
+        mm(w, x, y, M, N, K, num_threads);
+    else
+        matmul_f32(x, w, y, M, N, K, num_threads);
+}
+
 void decoder_layer_f32(float *x, const float *attn_in, int64_t In, int64_t T, int64_t Hd, int64_t H, int64_t KVH,
                        int64_t D, int64_t I, float eps, float scale, const float *ln1, const float *w_qkv,
                        const float *w_o, const float *ln2, const float *w_gu, const float *w_down,
-                       const float *b_qkv, const float *q_norm, const float *k_norm, float *k_cache,
+                       const float *b_qkv, const float *q_norm, const float *k_norm, layer_matmul_fn mm,
+                       float *k_cache,
                        float *v_cache, const float *cos, const float *sin, const int64_t *slot_mapping,
                        const int64_t *rows, const int64_t *start, const int64_t *len, const int64_t *slots,
                        float *scratch, int num_threads) {
@@ -103,7 +117,7 @@ void decoder_layer_f32(float *x, const float *attn_in, int64_t In, int64_t T, in
         rms_norm_f32(x, ln1, h, T, Hd, eps, num_threads);
         attn_in = h, In = Hd;
     }
-    matmul_f32(attn_in, w_qkv, qkv, T, QKV, In, num_threads);
+    layer_matmul(mm, attn_in, w_qkv, qkv, T, QKV, In, num_threads);
     for (int64_t t = 0; b_qkv != NULL && t < T; t++)
         for (int64_t i = 0; i < QKV; i++) qkv[t * QKV + i] += b_qkv[i];
     for (int64_t t = 0; q_norm != NULL && t < T; t++) { /* in place: each row is read before it is written */
@@ -116,11 +130,11 @@ void decoder_layer_f32(float *x, const float *attn_in, int64_t In, int64_t T, in
         memcpy(v_cache + slot_mapping[t] * KVH * D, qkv + t * QKV + QK, sizeof(float) * KVH * D);
     }
     paged_attention_f32(qk, QK, k_cache, v_cache, rows, start, len, slots, att, T, H, KVH, D, scale, num_threads);
-    matmul_f32(att, w_o, o, T, Hd, H * D, num_threads);
+    layer_matmul(mm, att, w_o, o, T, Hd, H * D, num_threads);
     for (int64_t i = 0; i < T * Hd; i++) x[i] += o[i];
     rms_norm_f32(x, ln2, h, T, Hd, eps, num_threads);
-    matmul_f32(h, w_gu, gu, T, 2 * I, Hd, num_threads);
+    layer_matmul(mm, h, w_gu, gu, T, 2 * I, Hd, num_threads);
     silu_mul_f32(gu, a, T, I, num_threads);
-    matmul_f32(a, w_down, o, T, Hd, I, num_threads);
+    layer_matmul(mm, a, w_down, o, T, Hd, I, num_threads);
     for (int64_t i = 0; i < T * Hd; i++) x[i] += o[i];
 }
