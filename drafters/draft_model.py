@@ -250,8 +250,8 @@ def build(spec, *, target, tokenizer, num_blocks, block_size, dtype, device, att
 
     if not spec.model:
         raise ValueError('speculative method "draft_model" needs "model": a local directory or GGUF file')
-    path = resolve_model(spec.model)
-    draft = load_model(path, dtype, device, max_positions=target.rotary.cos.shape[0])
+    path = resolve_model(spec.model, spec.quantization)
+    draft = load_model(path, dtype, device, max_positions=target.rotary.cos.shape[0], quantization=spec.quantization)
     check_same_vocab(tokenizer, load_tokenizer(path), target.config.vocab_size, draft.config.vocab_size)
     ratio = _param_count(draft) / _param_count(target)
     return ModelDrafter(draft, draft.config.num_hidden_layers, num_blocks, block_size, dtype, device, ratio, attention)

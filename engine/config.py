@@ -15,6 +15,12 @@ class ModelConfig:
     seed: int = 0
     num_threads: int | None = None  # CPU threads for torch; None: every core
     attention_backend: str = "auto"  # auto | torch | cpu | torch_varlen | flash_attn (engine.attention.backends)
+    # Weights: auto (a GGUF file in its own block formats, a float checkpoint as it is), none
+    # (everything in dtype), int8 | int4 (a float checkpoint quantized at load); engine.loader
+    quantization: str = "auto"
+
+    def __post_init__(self):
+        check_quantization(self.quantization)
 
     def torch_device(self) -> torch.device:
         """The device (``engine.devices.choose_device``: ValueError when CUDA is asked for and unusable)."""
@@ -29,6 +35,14 @@ class ModelConfig:
         if self.dtype not in names:
             raise ValueError(f"dtype must be one of auto, {', '.join(names)}; got {self.dtype!r}")
         return names[self.dtype]
+
+
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+
+
+def check_quantization(value: str) -> None:
+    if value not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -132,6 +146,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram: longest suffix matched
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched
     model: str | None = None  # draft_model: local directory or GGUF file
+    quantization: str = "auto"  # draft_model: its weights, as ModelConfig.quantization
     num_layers: int | None = None  # early_exit: layers of the target that draft
     adaptive: bool = True  # choose k per request from its measured acceptance; pause when it does not pay
     # Extra cost of one verified draft, in decode steps. None: measured at start-up. Pin it to
@@ -144,6 +159,7 @@ class SpeculativeConfig:
     speculative_token_tree: list | str | None = None
 
     def __post_init__(self):
+        check_quantization(self.quantization)
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
         if self.tree_width < 1 or self.max_tree_nodes < 1:

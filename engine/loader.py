@@ -3,10 +3,13 @@
 Weights are read only through safetensors or GGUF, never through pickle. Under
 tensor parallelism each rank loads only its shard: from safetensors every layer
 slices the memory-mapped file lazily (``get_slice``), so a rank reads its own
-rows and columns and never holds the full model. A GGUF file has no such lazy
-slices here: transformers dequantizes the whole checkpoint on every rank, which
-then keeps only its shard (convert the model to safetensors to avoid it, as
-``engine.model_store`` does for the default model).
+rows and columns and never holds the full model. A GGUF file is memory-mapped
+(``engine.gguf_file``): its quantized tensors stay in their blocks, the linear
+layers' and the embedding's weights staying on meta (``quant.load_rows``), each rank
+copying out its own rows (columns by whole blocks), unless ``quantization`` is
+"none", the C kernels are off, or the model does not run in float32 on the CPU:
+then they are dequantized at load. ``quantization`` "int8" / "int4" quantizes a
+float checkpoint's linear layers at load (``quant.QUANTIZE_TO``).
 """
 
 from pathlib import Path
@@ -15,6 +18,9 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer
 
+from engine import gguf_file
+from engine.layers import quant
+from engine.layers.linear import PackedLinear, VocabParallelEmbedding
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel import SINGLE, TPGroup
 
@@ -22,20 +28,20 @@ SUPPORTED = {"llama", "mistral", "qwen3"}
 
 
 def load_config(path: Path):
-    if path.suffix == ".gguf":
-        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    return AutoConfig.from_pretrained(path)
+    return AutoConfig.from_pretrained(gguf_file.metadata_dir(path) if path.suffix == ".gguf" else path)
 
 
 def load_tokenizer(path: Path):
-    if path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(gguf_file.metadata_dir(path) if path.suffix == ".gguf" else path)
 
 
-def _checkpoint_tensors(path: Path):
+def _checkpoint_tensors(path: Path, config, dequantize: bool):
     """Yields ``(hf_name, tensor)`` pairs of a checkpoint; from safetensors the
-    "tensor" is a lazy slice that reads only the part indexed (``t[a:b]``, ``t[:, a:b]``)."""
+    "tensor" is a lazy slice that reads only the part indexed (``t[a:b]``, ``t[:, a:b]``),
+    from GGUF a ``QuantTensor`` for a quantized tensor unless ``dequantize``."""
+    if path.suffix == ".gguf" and (not dequantize or config.model_type in gguf_file.ARCHITECTURES):
+        yield from gguf_file.checkpoint_tensors(path, config, dequantize)
+        return
     if path.suffix == ".gguf":
         from transformers import AutoModelForCausalLM
 
@@ -53,19 +59,31 @@ def _checkpoint_tensors(path: Path):
                 yield name, st.get_slice(name)
 
 
+def keeps_quantized(quantization: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether weights stay (or become) quantized: float32 on the CPU with the kernels on, not "none"."""
+    return quantization != "none" and dtype == torch.float32 and device.type == "cpu" and quant.load() is not None
+
+
 def load_model(
-    path: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup = SINGLE, max_positions: int | None = None
+    path: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup = SINGLE, max_positions: int | None = None,
+    quantization: str = "auto",
 ) -> LlamaForCausalLM:
+    """``quantization``: "auto" (a GGUF file's own formats, a float checkpoint as it is), "none"
+    (everything in ``dtype``), "int8" or "int4" (a float checkpoint quantized at load)."""
+    if quantization in quant.QUANTIZE_TO and path.suffix == ".gguf":
+        raise ValueError(f"--quantization {quantization} quantizes float checkpoints; a GGUF file keeps its own formats")
     config = load_config(path)
     if config.model_type not in SUPPORTED:
         raise ValueError(f"model type {config.model_type!r} is not supported (supported: {sorted(SUPPORTED)})")
     with torch.device("meta"):  # no memory, no initialization: the checkpoint fills the weights
         model = LlamaForCausalLM(config, tp, max_positions)
-    materialize(model, dtype, device)
-    for name, tensor in _checkpoint_tensors(path):
+    quantized = keeps_quantized(quantization, dtype, device)
+    gguf_blocks = quantized and path.suffix == ".gguf"
+    materialize(model, dtype, device, skip=_block_weights(model) if gguf_blocks else ())
+    for name, tensor in _checkpoint_tensors(path, config, dequantize=not quantized):
         model.load_weight(name, tensor)
     check_filled(model, path)
-    model.prepack()
+    model.prepack(quant.QUANTIZE_TO.get(quantization) if quantized else None)
     return model.eval()
 
 
@@ -76,16 +94,21 @@ def weight_bytes(config, dtype: torch.dtype) -> int:
     return sum(p.numel() * (dtype.itemsize if p.is_floating_point() else p.element_size()) for p in model.parameters())
 
 
-def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+def _block_weights(model: nn.Module) -> set[int]:
+    """The ids of the weights a GGUF file may fill in its blocks: linear layers' and embeddings'."""
+    return {id(m.weight) for m in model.modules() if isinstance(m, (PackedLinear, VocabParallelEmbedding))}
+
+
+def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device, skip=()) -> None:
     """Gives each parameter still on ``meta`` memory on ``device``, in ``dtype`` when it is
     a floating-point one (tied parameters stay tied), filled with NaN until the checkpoint
-    fills it (``check_filled``); moves every buffer (computed tables, ``rotary.table_device``)
+    fills it (``check_filled``), except those in ``skip`` (ids: left on meta); moves every buffer (computed tables, ``rotary.table_device``)
     to ``device``. So loading holds the weights in the serving dtype only: never a float32
     copy of them, which would double a bf16 model's peak."""
     made: dict[int, nn.Parameter] = {}
     for m in module.modules():
         for name, p in m._parameters.items():
-            if p is not None and p.is_meta:
+            if p is not None and p.is_meta and id(p) not in skip:
                 if id(p) not in made:
                     t = torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, device=device)
                     made[id(p)] = nn.Parameter(t.fill_(float("nan")) if t.is_floating_point() else t, requires_grad=False)
@@ -96,8 +119,9 @@ def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device) -> 
 
 
 def check_filled(model: nn.Module, path: Path) -> None:
-    """ValueError naming the floating-point parameters the checkpoint left unfilled (NaN)."""
-    params = [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]
+    """ValueError naming the floating-point parameters the checkpoint left unfilled (NaN). Those
+    left on meta are held in GGUF blocks (their rows are checked by ``QuantRows.args``)."""
+    params = [(n, p) for n, p in model.named_parameters() if p.is_floating_point() and not p.is_meta]
     unfilled = torch.stack([p.isnan().any() for _, p in params]).tolist()  # one host sync for all
     missing = [n for (n, _), bad in zip(params, unfilled) if bad]
     if missing:

@@ -28,6 +28,11 @@ class ServerSettings(BaseSettings):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="weight and activation dtype")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    quantization: Literal["auto", "none", "int8", "int4"] = Field(
+        "auto", description="weights: auto (a GGUF file kept in its own block formats, a Hugging Face checkpoint as "
+        "it is), none (dequantized to --dtype), int8 | int4 (a Hugging Face checkpoint quantized at load, "
+        "group-wise); see docs/quantization.md"
+    )
     max_model_len: int | None = Field(
         None, gt=0, description="context length: prompt plus output (default: the model's)"
     )
@@ -155,6 +160,7 @@ class ServerSettings(BaseSettings):
                 seed=self.seed,
                 num_threads=self.num_threads,
                 attention_backend=self.attention_backend,
+                quantization=self.quantization,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -37,6 +37,7 @@ class WorkerInit:
     max_positions: int
     num_threads: int | None  # CPU threads per rank; None: each node shares out its own cores
     collective_timeout_s: float
+    quantization: str = "auto"  # engine.loader.load_model's
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ def load_target(path, config: EngineConfig, dtype: torch.dtype, device: torch.de
     parallel = config.parallel
     size = parallel.tensor_parallel_size
     if size == 1:
-        return load_model(path, dtype, device, max_positions=max_positions)
+        return load_model(path, dtype, device, max_positions=max_positions, quantization=config.model.quantization)
     hf_config = load_config(path)
     check_parallel(hf_config, size, device, parallel.ranks_per_node)  # before any process starts
     attention = select_backend(config.model.attention_backend, device, dtype, head_dim_of(hf_config)).name
@@ -90,10 +90,11 @@ def load_target(path, config: EngineConfig, dtype: torch.dtype, device: torch.de
         backend=backend_for(device.type), model_path=str(path), attention_backend=attention,
         dtype=str(dtype).removeprefix("torch."), device=str(device), max_positions=max_positions,
         num_threads=config.model.num_threads, collective_timeout_s=parallel.collective_timeout_s,
+        quantization=config.model.quantization,
     )
     workers = TPWorkers(init, parallel)
     try:
-        local = load_model(path, dtype, device, workers.group, max_positions)
+        local = load_model(path, dtype, device, workers.group, max_positions, config.model.quantization)
         workers.wait_ready()
     except BaseException:
         workers.shutdown()

@@ -54,7 +54,8 @@ def worker_main(rdv: Rendezvous, local_size: int) -> None:
         device = rank_device(init.device, rdv)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        model = load_model(Path(init.model_path), getattr(torch, init.dtype), device, tp, init.max_positions)
+        model = load_model(Path(init.model_path), getattr(torch, init.dtype), device, tp, init.max_positions,
+                           init.quantization)
     except Exception:  # noqa: BLE001 - reported to rank 0, which raises it at start-up
         handshake.post("failed", rdv.rank, traceback.format_exc())
         raise SystemExit(1) from None

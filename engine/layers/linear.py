@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import cpu_kernels
+from engine.layers import cpu_kernels, quant
 from engine.parallel import SINGLE, TPGroup
 
 
@@ -45,16 +45,34 @@ def can_prepack(weight: torch.Tensor) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """A ``weight`` [out, in] applied as ``x @ weight.T``, through a prepacked copy when there is one."""
+    """A ``weight`` [out, in] applied as ``x @ weight.T``, through a prepacked copy when there is one,
+    or kept in GGUF blocks (``qweight``; ``weight`` then stays a meta tensor: shape only)."""
 
     weight: nn.Parameter
     kernel: cpu_kernels.KernelWeight | None = None  # the weight in cpu_kernels.matmul's panels
     packed: torch.Tensor | None = None  # ... or, without the kernels, in oneDNN's layout
+    qweight: quant.LinearArgs | None = None  # ... or in GGUF blocks, for quant.linear
     min_rows: int = 1  # oneDNN: pad inputs of fewer rows to this many (set by calibrate_min_rows)
 
-    def prepack(self) -> None:
-        """Lay the weight out once for the C kernel, or without it for oneDNN (CPU, float32);
-        call after the weights are loaded."""
+    def __init__(self):
+        super().__init__()
+        self.quant_rows = quant.QuantRows()  # rows loaded in GGUF blocks (load_rows)
+
+    def load_rows(self, first: int, rows) -> None:
+        """Rows ``first ..`` of the weight from ``rows``: a float tensor (or lazy slice), or a
+        ``QuantTensor``, kept in its blocks while the weight is still on meta (``quant.load_rows``)."""
+        self.weight = quant.load_rows(self.weight, self.quant_rows, first, rows)
+
+    def prepack(self, quantize: str | None = None) -> None:
+        """Lay the weight out once for the C kernel, or without it for oneDNN (CPU, float32), or
+        keep it in GGUF blocks where it was loaded so (``quantize``: a GGUF type to quantize a
+        float weight to first); call after the weights are loaded."""
+        if quantize and self.weight.shape[1] % 32 == 0 and not self.weight.is_meta:
+            self.quant_rows.add(0, quant.quantize(self.weight.data, quantize))
+            self.weight = quant.meta_like(self.weight)
+        if self.weight.is_meta:
+            self.qweight = self.quant_rows.args(self.weight.shape[0])
+            return
         if not can_prepack(self.weight):
             return
         if cpu_kernels.load() is not None:
@@ -64,6 +82,8 @@ class PackedLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
+        if self.qweight is not None:
+            return quant.linear(x, self.qweight)
         if self.kernel is not None and cpu_kernels.usable(x):
             return cpu_kernels.matmul(x, self.kernel)
         rows = x.shape[0]
@@ -116,7 +136,7 @@ class ColumnParallelLinear(PackedLinear):
         tensor or a lazy safetensors slice (only the rows taken are read)."""
         start, size = self.parts[shard_id]
         offset = sum(self.out_sizes[:shard_id])
-        self.weight.data[offset : offset + size].copy_(full[start : start + size])
+        self.load_rows(offset, full[start : start + size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
@@ -154,7 +174,7 @@ class RowParallelLinear(PackedLinear):
         self.weight = nn.Parameter(torch.empty(out_features, self.in_shard), requires_grad=False)
 
     def load(self, shard_id, full) -> None:
-        self.weight.data.copy_(full[:, self.in_start : self.in_start + self.in_shard])
+        self.load_rows(0, full[:, self.in_start : self.in_start + self.in_shard])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.matmul(x))
@@ -169,16 +189,28 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = tp.shard(vocab_size, "vocab_size")
         self.start = tp.rank * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden), requires_grad=False)
+        self.quant_rows = quant.QuantRows()  # the shard in GGUF blocks (``weight`` then stays on meta)
 
     def load(self, shard_id, full) -> None:
-        self.weight.data.copy_(full[self.start : self.start + self.shard_size])
+        self.weight = quant.load_rows(self.weight, self.quant_rows, 0, full[self.start : self.start + self.shard_size])
+
+    def tie(self, head: "ParallelLMHead") -> None:
+        """``head`` multiplies by this embedding's weight, however it is loaded (call again once it
+        is: loading may replace the weight)."""
+        head.weight, head.quant_rows = self.weight, self.quant_rows
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] (in this shard) -> rows [T, hidden]; quantized rows dequantized as the gguf package does."""
+        if not self.weight.is_meta:
+            return F.embedding(ids, self.weight)
+        return self.quant_rows.args(self.shard_size).parts[0].dequantize(ids.cpu()).to(ids.device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self.lookup(ids)
         local = ids - self.start
         inside = (local >= 0) & (local < self.shard_size)
-        out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * inside.unsqueeze(-1)
+        out = self.lookup(local.clamp(0, self.shard_size - 1)) * inside.unsqueeze(-1)
         return self.tp.all_reduce(out)
 
 

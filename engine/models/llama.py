@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.layers import cpu_kernels
+from engine.layers import cpu_kernels, quant
 from engine.layers.linear import (
     ColumnParallelLinear,
     PackedLinear,
@@ -94,20 +94,24 @@ class LlamaDecoderLayer(nn.Module):
 
     def fused_args(self) -> tuple | None:
         """This layer's ``cpu_kernels.layer_args`` (the whole layer in one C call), or None
-        where it cannot run that way: no kernels, not float32 on the CPU, q/k norms, or
-        tensor parallel (its all-reduces sit between the kernels). Call after ``prepack``."""
+        where it cannot run that way: no kernels, not float32 on the CPU, q/k norms, tensor
+        parallel (its all-reduces sit between the kernels), or matrices some in GGUF blocks and
+        some not. Call after ``prepack``."""
         attn, mlp = self.self_attn, self.mlp
         w = attn.qkv_proj.weight
         norms = (self.input_layernorm, self.post_attention_layernorm)
-        if (cpu_kernels.load() is None or w.dtype != torch.float32 or w.device.type != "cpu" or attn.qk_norm
-                or attn.o_proj.tp.size > 1 or norms[0].eps != norms[1].eps):
+        if (cpu_kernels.load() is None or w.dtype != torch.float32 or norms[0].weight.device.type != "cpu"
+                or attn.qk_norm or attn.o_proj.tp.size > 1 or norms[0].eps != norms[1].eps):
             return None
-        matrices = (attn.qkv_proj.kernel, attn.o_proj.kernel, mlp.gate_up_proj.kernel, mlp.down_proj.kernel)
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        matrices, matmul = tuple(m.kernel for m in linears), None
+        if all(m.qweight is not None for m in linears):  # GGUF blocks: quant.linear's matmul
+            matrices, matmul = tuple(m.qweight.handle for m in linears), quant.layer_matmul()
         if any(m is None for m in matrices):  # not laid out for the kernel (not float32 on the CPU)
             return None
         return cpu_kernels.layer_args(w.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                       mlp.down_proj.weight.shape[1], norms[0].eps, (norms[0].weight.data,
-                                      norms[1].weight.data), matrices)
+                                      norms[1].weight.data), matrices, matmul=matmul)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -131,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.embed_tokens.weight
+            self.embed_tokens.tie(self.lm_head)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache, num_layers=None, capture=()):
         """input_ids [T], positions [T] -> final-normed hidden states [T, hidden].
@@ -160,13 +164,16 @@ class LlamaForCausalLM(nn.Module):
         taken[len(self.layers)] = hidden
         return hidden, torch.cat([taken[i] for i in capture], dim=-1)
 
-    def prepack(self) -> None:
+    def prepack(self, quantize: tuple[str, str] | None = None) -> None:
         """Weights are final: let the linear layers lay them out for the C matmul (or, without
-        it, for oneDNN, timing whether short inputs run faster padded: ``calibrate_min_rows``),
-        and take the layers' addresses for whole-layer kernel calls (``fused``)."""
+        it, for oneDNN, timing whether short inputs run faster padded: ``calibrate_min_rows``;
+        or ``quantize`` them: GGUF types of the layers and of the head), and take the layers'
+        addresses for whole-layer kernel calls (``fused``)."""
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.embed_tokens.tie(self.lm_head)
         linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
         for module in linears:
-            module.prepack()
+            module.prepack(quantize and quantize[module is self.lm_head])
         self.min_rows = calibrate_min_rows(linears)
         fused = [layer.fused_args() for layer in self.layers]
         self.fused = fused if fused and all(fused) else None

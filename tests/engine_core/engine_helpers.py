@@ -68,9 +68,9 @@ def run(engine, prompts, params, prefix: str = "req") -> list[Finished]:
 def scratch_cache(model, num_blocks: int, block_size: int = 16) -> PagedKV:
     """A private paged KV cache for running ``model`` outside an engine."""
     cfg = model.config
-    dtype = next(model.parameters()).dtype
-    spec = KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), block_size, dtype)
-    return PagedKV(spec, num_blocks, next(model.parameters()).device)
+    weight = model.norm.weight  # (a quantized model's matrices are on meta: their blocks live elsewhere)
+    spec = KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), block_size, weight.dtype)
+    return PagedKV(spec, num_blocks, weight.device)
 
 
 @torch.inference_mode()
