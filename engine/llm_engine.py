@@ -58,7 +58,7 @@ class LLMEngine:
         if device.type == "cpu":
             torch.set_num_threads(config.threads_per_rank())
         if model is None:
-            path = resolve_model(config.model.model)
+            path = resolve_model(config.model.model, config.model.quantization)
             hf_config = load_config(path)
             max_len = config.model.max_model_len or hf_config.max_position_embeddings
             model = load_target(path, config, dtype, device, max_len)  # rank 0's shard at tensor_parallel_size > 1

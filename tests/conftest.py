@@ -10,6 +10,8 @@
   Tests of a bare ``KVCacheManager`` or ``Scheduler`` assert it themselves.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -71,6 +73,16 @@ def default_model_path():
 @pytest.fixture(scope="session")
 def default_engine(default_model_path, session_engines) -> LLMEngine:
     engine = LLMEngine(engine_config())
+    session_engines.append(engine)
+    return engine
+
+
+@pytest.fixture(scope="session")
+def float_engine(default_model_path, session_engines) -> LLMEngine:
+    """The default model converted to float32 (the served default keeps its GGUF file's Q4_1
+    blocks): what transformers' own model of the checkpoint is compared with."""
+    config = engine_config()
+    engine = LLMEngine(dataclasses.replace(config, model=dataclasses.replace(config.model, model=str(default_model_path))))
     session_engines.append(engine)
     return engine
 

@@ -121,7 +121,9 @@ def test_first_token_frequencies_match_the_models_processed_distribution(
 @pytest.fixture(scope="module")
 def chat_prompt(default_tokenizer):
     text = default_tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+        # (Asked "What is the capital of France?", the Q4_1 weights answer "L'Étoile, la Marseillaise, ...":
+        # llama.cpp on the same file says the same; asked this way, they end with EOS.)
+        [{"role": "user", "content": "Name the capital of France."}], add_generation_prompt=True, tokenize=False
     )
     return default_tokenizer.encode(text, add_special_tokens=False)
 

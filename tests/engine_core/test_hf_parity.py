@@ -1,6 +1,7 @@
 """Our Llama on the paged KV cache against transformers' implementation of the
-same checkpoint (the default model, float32): logits of prefills and of
-incremental decode steps, and greedy generations."""
+same checkpoint (the default model converted to float32: the served default keeps
+the GGUF file's Q4_1 blocks, tests/quant): logits of prefills and of incremental
+decode steps, and greedy generations."""
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
     return hf_model(torch.tensor([ids])).logits[0].float()
 
 
-def test_prefill_logits_match_transformers(default_engine, hf_model, default_tokenizer):
+def test_prefill_logits_match_transformers(float_engine, hf_model, default_tokenizer):
     texts = [
         "The quick brown fox jumps over the lazy dog.",
         "In 1905, Albert Einstein published four papers. " * 6,  # longer than one batched query
@@ -34,17 +35,17 @@ def test_prefill_logits_match_transformers(default_engine, hf_model, default_tok
     ]
     prompts = [default_tokenizer.encode(t, add_special_tokens=False) for t in texts]
     assert len(prompts[1]) > MAX_BATCHED_QUERY >= len(prompts[0])
-    kv = scratch_cache(default_engine.model, num_blocks=16)
+    kv = scratch_cache(float_engine.model, num_blocks=16)
     tables = [[3, 9], [0, 5, 7, 1, 8], [12]]  # scattered blocks
     specs = [SeqSpec(0, len(p), t) for p, t in zip(prompts, tables, strict=True)]
-    ours = forward_logits(default_engine.model, kv, specs, prompts)
+    ours = forward_logits(float_engine.model, kv, specs, prompts)
     for ids, logits in zip(prompts, ours, strict=True):
         ref = hf_logits(hf_model, ids)
         torch.testing.assert_close(logits, ref, atol=ATOL, rtol=RTOL)
         assert torch.equal(logits.argmax(-1), ref.argmax(-1))
 
 
-def test_incremental_decode_logits_match_transformers(default_engine, hf_model, default_tokenizer):
+def test_incremental_decode_logits_match_transformers(float_engine, hf_model, default_tokenizer):
     """Two requests advance together through the paged cache: a prefill, then
     steps of 1 to 3 tokens each (decodes and chains), their blocks interleaved."""
     enc = lambda t: default_tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
@@ -55,14 +56,14 @@ def test_incremental_decode_logits_match_transformers(default_engine, hf_model, 
     prefill = [14, 9]
     steps = [(1, 3), (1, 1), (3, 2), (2, 1), (1, 3)]
     assert all(p + sum(s[i] for s in steps) <= len(seq) for i, (p, seq) in enumerate(zip(prefill, seqs, strict=True)))
-    kv = scratch_cache(default_engine.model, num_blocks=8)
+    kv = scratch_cache(float_engine.model, num_blocks=8)
     tables = [[6, 1], [2, 7]]
     refs = [hf_logits(hf_model, seq) for seq in seqs]
     done = [0, 0]
     for counts in [tuple(prefill)] + steps:
         specs = [SeqSpec(done[i], n, tables[i]) for i, n in enumerate(counts)]
         new = [seqs[i][done[i] : done[i] + n] for i, n in enumerate(counts)]
-        ours = forward_logits(default_engine.model, kv, specs, new)
+        ours = forward_logits(float_engine.model, kv, specs, new)
         for i, n in enumerate(counts):
             ref = refs[i][done[i] : done[i] + n]
             torch.testing.assert_close(ours[i], ref, atol=ATOL, rtol=RTOL)
@@ -96,7 +97,7 @@ def hf_generate(hf_model, prompts: list[list[int]], max_new_tokens: int, pad_id:
     return out[:, width:].tolist()
 
 
-def test_greedy_generation_matches_transformers_generate(default_engine, hf_model, default_tokenizer):
+def test_greedy_generation_matches_transformers_generate(float_engine, hf_model, default_tokenizer):
     """Five varied prompts, 64 tokens each, all five in one batch of our engine,
     against transformers' greedy ``generate`` (EOS ignored on both sides).
 
@@ -107,7 +108,7 @@ def test_greedy_generation_matches_transformers_generate(default_engine, hf_mode
     (chat prompt), far above the ~1e-5 float32 differences between the two
     implementations."""
     prompts = greedy_prompts(default_tokenizer)
-    ours = run(default_engine, prompts, greedy(64))
+    ours = run(float_engine, prompts, greedy(64))
     theirs = hf_generate(hf_model, prompts, 64, pad_id=default_tokenizer.pad_token_id or 0)
     for prompt, mine, ref in zip(prompts, ours, theirs, strict=True):
         assert len(mine.token_ids) == 64

@@ -41,14 +41,14 @@ def hf_logprobs(hf_model, prompts) -> list[torch.Tensor]:
         return [hf_model(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1) for ids in prompts]
 
 
-def engine(default_engine, budget: int, spec: SpeculativeConfig) -> LLMEngine:
+def engine(float_engine, budget: int, spec: SpeculativeConfig) -> LLMEngine:
     config = EngineConfig(
         ModelConfig(max_model_len=DEFAULT_MAX_MODEL_LEN, dtype="float32", device="cpu"),
         CacheConfig(num_blocks=128),
         SchedulerConfig(max_num_batched_tokens=budget),
         spec,
     )
-    return LLMEngine(config, model=default_engine.model, tokenizer=default_engine.tokenizer)
+    return LLMEngine(config, model=float_engine.model, tokenizer=float_engine.tokenizer)
 
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, verify_cost=0.05)
@@ -61,9 +61,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_prompt_logprobs_match_transformers(case, default_engine, default_tokenizer, prompts, hf_logprobs):
+def test_prompt_logprobs_match_transformers(case, float_engine, default_tokenizer, prompts, hf_logprobs):
     budget, spec = CASES[case]
-    eng = engine(default_engine, budget, spec)
+    eng = engine(float_engine, budget, spec)
     drafted = []
     eng.stat_loggers.append(lambda s: drafted.append(s.spec.num_draft_tokens if s.spec else 0))
     copy = eng.add_request("copy", default_tokenizer.encode(COPY), SamplingParams(max_tokens=24, temperature=0))

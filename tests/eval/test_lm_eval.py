@@ -58,11 +58,11 @@ def plain_hf_dir(model_dir: Path, out: Path) -> Path:
     return out
 
 
-def test_local_completions_equal_hf(monkeypatch, tmp_path, default_engine, default_model_path, session_engines):
+def test_local_completions_equal_hf(monkeypatch, tmp_path, float_engine, default_model_path, session_engines):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     path = str(plain_hf_dir(Path(default_model_path), tmp_path / "model"))
-    engine = build_engine(default_engine)
+    engine = build_engine(float_engine)  # the float32 checkpoint transformers reads too
     session_engines.append(engine)
     with LiveServer(settings(), engine) as server:
         served = evaluate(

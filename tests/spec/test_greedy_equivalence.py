@@ -1,5 +1,6 @@
 """With speculation on, greedy output equals the same engine's greedy output
-with speculation off, on the default model, for Spec-Bench prompts of
+with speculation off, on the default model (served quantized: the GGUF file's Q4_1
+blocks; the draft model quantized to int8 at load), for Spec-Bench prompts of
 different categories; seeded sampling is reproducible; no block is lost."""
 
 import dataclasses
@@ -66,11 +67,10 @@ def plain_greedy(default_engine, prompts):
 def small_draft_model(default_engine, tmp_path_factory) -> Path:
     """A separate, smaller checkpoint sharing the tokenizer: the default model's first 8 layers."""
     out = tmp_path_factory.mktemp("draft")
-    src = Path(default_engine.model_path) if default_engine.model_path != "<in-memory>" else None
     from engine.model_store import fetch_default_model
     from safetensors import safe_open
 
-    src = src or fetch_default_model()
+    src = fetch_default_model()  # the float32 conversion (the draft is quantized at load: SPECS)
     config = json.loads((src / "config.json").read_text())
     config["num_hidden_layers"] = 8
     (out / "config.json").write_text(json.dumps(config))
@@ -91,7 +91,7 @@ SPECS = {
         method="early_exit", num_speculative_tokens=3, num_layers=10, adaptive=False
     ),
     "draft_model": lambda path: SpeculativeConfig(
-        method="draft_model", num_speculative_tokens=3, model=str(path), adaptive=False
+        method="draft_model", num_speculative_tokens=3, model=str(path), adaptive=False, quantization="int8"
     ),
     # Token trees: up to 3 children per node (adaptive: the policy picks the shape), and a static tree.
     "ngram-tree": lambda _: SpeculativeConfig(
