@@ -71,7 +71,7 @@ class PackedLinear(nn.Module):
             self.quant_rows.add(0, quant.quantize(self.weight.data, quantize))
             self.weight = quant.meta_like(self.weight)
         if self.weight.is_meta:
-            self.qweight = self.quant_rows.args(self.weight.shape[0])
+            self.qweight = self.quant_rows.pack(self.weight.shape[0])
             return
         if not can_prepack(self.weight):
             return
@@ -199,11 +199,16 @@ class VocabParallelEmbedding(nn.Module):
         is: loading may replace the weight)."""
         head.weight, head.quant_rows = self.weight, self.quant_rows
 
+    def pack_quantized(self) -> None:
+        """Lay quantized rows out for the kernels (``QuantRows.pack``); call after loading."""
+        if self.weight.is_meta:
+            self.quant_rows.pack(self.shard_size)
+
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [T] (in this shard) -> rows [T, hidden]; quantized rows dequantized as the gguf package does."""
+        """ids [T] (in this shard) -> rows [T, hidden]; quantized rows dequantized by the kernels."""
         if not self.weight.is_meta:
             return F.embedding(ids, self.weight)
-        return self.quant_rows.args(self.shard_size).parts[0].dequantize(ids.cpu()).to(ids.device)
+        return self.quant_rows.pack(self.shard_size).lookup(ids.cpu()).to(ids.device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -1,8 +1,10 @@
 """Weights kept in GGUF's block formats, multiplied on the CPU by our C kernels.
 
-A quantized linear layer holds its weight as ``QuantWeight`` parts stacked along the
-output features (a fused QKV of a Q4_K_M file: Q4_K rows for q and k, Q6_K for v), each
-part the file's own blocks, row by row, never dequantized. ``linear`` multiplies float32
+A quantized linear layer is loaded as ``QuantWeight`` parts stacked along the output
+features (a fused QKV of a Q4_K_M file: Q4_K rows for q and k, Q6_K for v), each part the
+file's own blocks, row by row, never dequantized. ``LinearArgs`` lays each part out once in
+the kernels' panels (``panel``: the same codes and scales, 8 rows interleaved; the K-quants'
+packed scales unpacked, Q5_K and Q6_K codes one a byte) and ``linear`` multiplies float32
 activations by all the parts in one call: the activations are quantized to 8 bits per
 block of 32 (as llama.cpp does) and meet the weights in integer multiply-adds
 (``csrc/quant_kernels.c``: why, and what stays exact). A row's result is the same bits
@@ -59,8 +61,13 @@ def load():
 def build(compiler: str, flags: tuple[str, ...]):
     """The library compiled with ``flags`` (cached on disk), its functions typed."""
     lib = ctypes.CDLL(str(cpu_kernels.compile_library("quant_kernels", [SOURCE], compiler, flags)))
-    lib.quant_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int] + [ctypes.c_void_p] * 5 + [
+    lib.quant_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int] + [ctypes.c_void_p] * 4 + [
         ctypes.c_int]
+    lib.panel_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                               ctypes.c_void_p]
+    lib.panel_rows.restype = None
+    lib.panel_bytes.argtypes = [ctypes.c_int, ctypes.c_int64]
+    lib.panel_bytes.restype = ctypes.c_int64
     lib.quant_linear.restype = ctypes.c_int
     lib.quantize_q8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
     lib.quantize_q8.restype = None
@@ -112,27 +119,110 @@ def merge(parts: list[QuantWeight]) -> tuple[QuantWeight, ...]:
     return tuple(out)
 
 
+# ---- panels: the kernels' layout of a weight (csrc/quant_kernels.c, "weight panels") ----
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 field at byte ``at`` of every block [..., 1] (uint16: its bits)."""
+    return np.ascontiguousarray(blocks[..., at : at + 2]).view(np.uint16)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: the 12 packed bytes of a 256-weight block -> 6-bit scales and mins [..., 8]."""
+    d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([d & 63, (md & 15) | ((d >> 2) & 48)], axis=-1)
+    mn = np.concatenate([m & 63, (md >> 4) | ((m >> 2) & 48)], axis=-1)
+    return sc, mn
+
+
+def _fields(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """GGUF blocks [N, nb, size] -> codes [N, K / 32, 32] (uint8; int8 for Q8_0 / Q6_K), the
+    per-chunk scale fields [N, K / 32, bytes] and the per-256 header fields [N, K / 256, bytes]
+    of the panel layout, each as it lies in the file."""
+    n, nb, _ = blocks.shape
+    nibbles = lambda qs: np.stack([qs & 15, qs >> 4], axis=-2)  # noqa: E731  [..., 16] -> [..., 2, 16]
+    if kind in ("Q4_0", "Q4_1", "Q8_0"):
+        start = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[kind]
+        codes = blocks[..., start:] if kind == "Q8_0" else nibbles(blocks[..., start:]).reshape(n, nb, 32)
+        scales = [_f16(blocks, 0)] + ([_f16(blocks, 2)] if kind == "Q4_1" else [])
+        return codes, scales, []
+    if kind in ("Q4_K", "Q5_K"):
+        sc, mn = _k_scales(blocks[..., 4:16])
+        qs = blocks[..., 16:144] if kind == "Q4_K" else blocks[..., 48:176]
+        codes = nibbles(qs.reshape(n, nb, 4, 32)).reshape(n, nb, 8, 32)  # chunk 2i: low nibbles, 2i + 1: high
+        if kind == "Q5_K":
+            high = (blocks[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [n, nb, 8, 32]
+            codes = codes | (high << 4)
+        return codes.reshape(n, nb * 8, 32), [sc.reshape(n, nb * 8, 1), mn.reshape(n, nb * 8, 1)], \
+            [_f16(blocks, 0), _f16(blocks, 2)]
+    # Q6_K: ql [128], qh [64], scales [16] int8, d
+    ql = nibbles(blocks[..., 0:128].reshape(n, nb, 2, 2, 32)).transpose(0, 1, 2, 4, 3, 5)  # [n, nb, h, nib, 2, 32]
+    qh = (blocks[..., None, 128:192].reshape(n, nb, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+    codes = (ql.reshape(n, nb, 2, 4, 32) | (qh << 4)).astype(np.int16) - 32
+    return codes.astype(np.int8).reshape(n, nb * 8, 32), [blocks[..., 192:208].reshape(n, nb * 8, 2)], \
+        [_f16(blocks, 208)]
+
+
+def _by_row(field: np.ndarray, groups: int) -> np.ndarray:
+    """A field [8 G, X, c] (one value per row, c per chunk) -> bytes [G, X, c x 8 rows x its size]:
+    for each of its c values, the 8 rows' side by side."""
+    x, c = field.shape[1:]
+    by_row = np.ascontiguousarray(field.reshape(groups, 8, x, c).transpose(0, 2, 3, 1))
+    return by_row.view(np.uint8).reshape(groups, x, -1)
+
+
+def panel(w: QuantWeight) -> torch.Tensor:
+    """The weight in the kernels' panels: groups of 8 rows (zero rows past the end), each
+    [panel bytes] (``panel_bytes``), the file's codes and scales interleaved row by row."""
+    block, size = GGML_QUANT_SIZES[type_of(w.kind)]
+    n, groups = w.out_features, -(-w.out_features // 8)
+    blocks = np.zeros((groups * 8, w.in_features // block, size), dtype=np.uint8)
+    blocks[:n] = w.data.numpy().reshape(n, -1, size)
+    codes, scales, header = _fields(w.kind, blocks)
+    chunks = codes.shape[1]
+    # [G, 8 rows, chunks, 8 quads, 4] -> [G, chunks, 8 quads, 8 rows, 4]
+    quads = codes.view(np.uint8).reshape(groups, 8, chunks, 8, 4).transpose(0, 2, 3, 1, 4)
+    if w.kind in ("Q4_0", "Q4_1", "Q4_K"):
+        quads = quads[:, :, :4] | (quads[:, :, 4:] << 4)  # quad j low, j + 4 high
+    chunk = np.concatenate([quads.reshape(groups, chunks, -1)] + [_by_row(f, groups) for f in scales], axis=-1)
+    if header:
+        heads = [_by_row(f, groups) for f in header]
+        chunk = np.concatenate(heads + [chunk.reshape(groups, chunks // 8, -1)], axis=-1)
+    out = torch.from_numpy(np.ascontiguousarray(chunk).reshape(groups, -1))
+    assert out.shape[1] == load().panel_bytes(int(type_of(w.kind)), w.in_features)
+    return out
+
+
 class _Matrix(ctypes.Structure):  # csrc/quant_kernels.c, quant_matrix
-    _fields_ = [("parts", ctypes.c_int), ("fmts", ctypes.c_void_p), ("ws", ctypes.c_void_p),
-                ("row_bytes", ctypes.c_void_p), ("ns", ctypes.c_void_p)]
+    _fields_ = [("parts", ctypes.c_int), ("fmts", ctypes.c_void_p), ("ws", ctypes.c_void_p), ("ns", ctypes.c_void_p)]
 
 
 class LinearArgs:
-    """The constant arguments of ``quant_linear`` for one layer's parts, built once; ``handle``:
-    the address of the same as one C struct (``layer_matmul``'s weight handle)."""
+    """The constant arguments of ``quant_linear`` for one layer's parts, laid out in panels once
+    (the file's bytes are then dropped), and ``handle``: the address of the same as one C struct
+    (``layer_matmul``'s weight)."""
 
     def __init__(self, parts: tuple[QuantWeight, ...]):
         n = len(parts)
-        self.parts = parts  # keeps the tensors alive
+        self.kinds = [p.kind for p in parts]
+        self.panels = [panel(p) for p in parts]  # the C calls read them by address
         self.count = n
         self.fmts = (ctypes.c_int * n)(*(int(type_of(p.kind)) for p in parts))
-        self.ptrs = (ctypes.c_void_p * n)(*(p.data.data_ptr() for p in parts))
-        self.row_bytes = (ctypes.c_int64 * n)(*(p.data.stride(0) for p in parts))
+        self.ptrs = (ctypes.c_void_p * n)(*(t.data_ptr() for t in self.panels))
         self.rows = (ctypes.c_int64 * n)(*(p.out_features for p in parts))
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
-        self.matrix = _Matrix(n, *(ctypes.addressof(a) for a in (self.fmts, self.ptrs, self.row_bytes, self.rows)))
+        self.matrix = _Matrix(n, *(ctypes.addressof(a) for a in (self.fmts, self.ptrs, self.rows)))
         self.handle = ctypes.addressof(self.matrix)
+
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [T] of a one-part weight, dequantized: [T, in_features] float32."""
+        assert self.count == 1
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.shape[0], self.in_features)
+        load().panel_rows(self.fmts[0], self.ptrs[0], self.in_features, ids.data_ptr(), ids.shape[0], out.data_ptr())
+        return out
 
 
 def layer_matmul() -> int:
@@ -147,10 +237,10 @@ def linear(x: torch.Tensor, args: LinearArgs) -> torch.Tensor:
     m, k = x.shape
     assert k == args.in_features and x.dtype == torch.float32
     y = torch.empty(m, args.out_features, dtype=torch.float32)
-    rc = load().quant_linear(x.data_ptr(), m, k, args.count, args.fmts, args.ptrs, args.row_bytes, args.rows,
-                             y.data_ptr(), torch.get_num_threads())
+    rc = load().quant_linear(x.data_ptr(), m, k, args.count, args.fmts, args.ptrs, args.rows, y.data_ptr(),
+                             torch.get_num_threads())
     if rc:
-        raise RuntimeError(f"quant_linear failed ({rc}): formats {[p.kind for p in args.parts]}")
+        raise RuntimeError(f"quant_linear failed ({rc}): formats {args.kinds}")
     return y
 
 
@@ -198,21 +288,28 @@ class QuantTensor:
 
 
 class QuantRows:
-    """The rows of a layer's weight loaded in GGUF blocks: ``(first row, QuantWeight)`` parts."""
+    """The rows of a layer's weight loaded in GGUF blocks: ``(first row, QuantWeight)`` parts,
+    until ``pack`` lays them out for the kernels."""
 
     def __init__(self):
         self.parts: list[tuple[int, QuantWeight]] = []
+        self.packed: LinearArgs | None = None
 
     def add(self, first_row: int, weight: QuantWeight) -> None:
         self.parts.append((first_row, weight))
 
-    def args(self, rows: int) -> LinearArgs:
-        """The parts stacked in row order for ``linear``; ValueError unless they are exactly ``rows`` rows."""
-        parts = sorted(self.parts, key=lambda p: p[0])
-        ends = [0] + [first + w.out_features for first, w in parts]
-        if [first for first, _ in parts] != ends[:-1] or ends[-1] != rows:
-            raise ValueError(f"a quantized weight of {rows} rows was loaded as rows {[(f, e) for (f, _), e in zip(parts, ends[1:])]}")
-        return LinearArgs(merge([w for _, w in parts]))
+    def pack(self, rows: int) -> LinearArgs:
+        """The parts stacked in row order and laid out in panels, once (the file's bytes are
+        dropped: a tied embedding reads the panels too); ValueError unless they are exactly
+        ``rows`` rows."""
+        if self.packed is None:
+            parts = sorted(self.parts, key=lambda p: p[0])
+            ends = [0] + [first + w.out_features for first, w in parts]
+            if [first for first, _ in parts] != ends[:-1] or ends[-1] != rows:
+                spans = [(f, e) for (f, _), e in zip(parts, ends[1:])]
+                raise ValueError(f"a quantized weight of {rows} rows was loaded as rows {spans}")
+            self.packed, self.parts = LinearArgs(merge([w for _, w in parts])), []
+        return self.packed
 
     def dequantize_into(self, weight: torch.Tensor) -> None:
         for first, w in self.parts:

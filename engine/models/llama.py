@@ -174,6 +174,7 @@ class LlamaForCausalLM(nn.Module):
         linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
         for module in linears:
             module.prepack(quantize and quantize[module is self.lm_head])
+        self.embed_tokens.pack_quantized()
         self.min_rows = calibrate_min_rows(linears)
         fused = [layer.fused_args() for layer in self.layers]
         self.fused = fused if fused and all(fused) else None

@@ -50,7 +50,7 @@ def transformers_logits(path: Path) -> torch.Tensor:
 
 
 def kinds_of(model) -> dict[str, list[str]]:
-    return {n: [p.kind for p in m.qweight.parts] for n, m in model.named_modules()
+    return {n: list(m.qweight.kinds) for n, m in model.named_modules()
             if isinstance(m, PackedLinear) and m.qweight is not None}
 
 

@@ -112,3 +112,11 @@ def test_the_vnni_builds_compile(vnni):
     above run on them: ``quant.compile_flags``)."""
     lib = quant.build(cpu_kernels.compiler(), cpu_kernels.FLAGS + ("-mf16c",) + vnni)
     assert lib.quant_linear is not None
+
+
+@pytest.mark.parametrize("kind", quant.KERNEL_TYPES)
+def test_rows_looked_up_from_the_panels_are_the_dequantized_rows(kind):
+    """A quantized embedding (tied to its head) is read from the head's panels."""
+    w = weight(kind, rows=45)
+    ids = torch.tensor([0, 44, 7, 8, 7, 31])
+    torch.testing.assert_close(quant.LinearArgs((w,)).lookup(ids), w.dequantize()[ids], rtol=1e-6, atol=1e-7)

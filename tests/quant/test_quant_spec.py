@@ -17,8 +17,8 @@ pytestmark = pytest.mark.skipif(quant.load() is None, reason="no CPU kernels her
 def quantized_llama():
     model = tiny_llama()
     model.prepack(quant.QUANTIZE_TO["int4"])  # Q4_1 layers, Q8_0 head
-    assert model.lm_head.qweight.parts[0].kind == "Q8_0"
-    assert model.layers[0].mlp.gate_up_proj.qweight.parts[0].kind == "Q4_1"
+    assert model.lm_head.qweight.kinds == ["Q8_0"]
+    assert model.layers[0].mlp.gate_up_proj.qweight.kinds == ["Q4_1"]
     return model
 
 

@@ -1,26 +1,23 @@
-/* Matmuls of float32 activations by weights kept in GGUF's block formats (Q4_0, Q4_1,
- * Q8_0, Q4_K, Q5_K, Q6_K), read in place from the file's bytes; built by engine/layers/quant.py.
+/* Matmuls of float32 activations by weights in GGUF's block formats (Q4_0, Q4_1, Q8_0, Q4_K,
+ * Q5_K, Q6_K): the file's own codes and scales, laid out once in panels of 8 rows ("weight
+ * panels" below); built by engine/layers/quant.py.
  *
  * llama.cpp's way: each input row is quantized to 8 bits per block of 32 (``quantize_q8``:
  * scale = max |x| / 127, round to nearest even), and a 32-weight chunk of a weight row meets
- * it in integer multiply-adds. Every chunk of every format is reduced to the same form,
+ * it in integer multiply-adds. Every chunk of every format is read in the same form,
  *
  *     w_k = scale * q_k + min          (q_k: an unsigned code, or a signed one in Q8_0 / Q6_K)
  *
  * so that its dot product with the row's codes x_k (scale dx, sum of codes isum) is
  *
- *     dx * (scale * sum_k q_k x_k + min * isum)        (Q6_K: per 16 codes an integer factor too)
+ *     dx * (scale * sum_k q_k x_k + min * isum)        (Q6_K: a scale per half of 16 codes)
  *
- * where the integer sum is exact (|sum| < 2^24: no rounding in its conversion to float).
- * Four weight rows go together: their integer sums land in the lanes of one vector
- * [o0 o1 o2 o3 | o0 o1 o2 o3] (two halves of each chunk), scaled and accumulated over the
- * chunks in order. A row's result depends only on that row: the same bits whatever the
- * other rows of the step are, at any row count, on every thread count. AVX2 multiplies
- * with maddubs + madd, AVX-512 VNNI (or AVX-VNNI) with dpbusd: the same integers, so the
- * same bits.
- *
- * Weight rows: ``row_bytes`` apart, each ``K / 32`` chunks of the format's blocks
- * (32 weights a block; the K-quants 256, 8 chunks). K is a multiple of 32 (256 for K-quants).
+ * where the integer sum is exact (|sum| < 2^24: no rounding in its conversion to float). The
+ * 8 rows of a panel land in the 8 lanes of one vector, each lane accumulating its chunks in
+ * order: a row's result depends only on that row, the same bits whatever the other rows of
+ * the step are, at any row count and thread count. AVX2 multiplies with maddubs + madd,
+ * AVX-512 VNNI (or AVX-VNNI) with dpbusd: the same integers, so the same bits.
+ * K is a multiple of 32 (256 for the K-quants).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -31,12 +28,6 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 }; /* GGMLQ
 
 #define ROW_BLOCK 64 /* input rows whose codes stay in L2 while the weights stream past */
 #define INLINE static inline __attribute__((always_inline))
-
-static inline float f16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
 
 /* ---- activations ---------------------------------------------------------------------- */
 
@@ -69,151 +60,187 @@ void quantize_q8(const float *x, int64_t M, int64_t K, int8_t *q, float *dx, flo
     }
 }
 
-/* ---- weight chunks ---------------------------------------------------------------------- */
+/* ---- weight panels ------------------------------------------------------------------------
+ *
+ * A weight's rows, eight at a time (a group; rows past N are zero), in the file's codes and
+ * scales, interleaved (engine/layers/quant.py, ``panel``): a chunk of 32 weights of the 8
+ * rows is 8 quads, quad j = 32 bytes holding codes 4j .. 4j + 3 of row 0, then of row 1, ...
+ *
+ *   Q4_0  chunk: codes 128 B (quad j in the low nibbles of 32 bytes, quad j + 4 in the high
+ *         ones, j < 4), d (f16 x 8)                                    w = d q - 8 d
+ *   Q4_1  chunk: codes 128 B, d (f16 x 8), m (f16 x 8)                 w = d q + m
+ *   Q8_0  chunk: codes 256 B (int8), d (f16 x 8)                       w = d q
+ *   Q4_K  per 256 weights: d, dmin (f16 x 8 each), then 8 chunks: codes 128 B, sc, m (u8 x 8)
+ *                                                                      w = d sc q - dmin m
+ *   Q5_K  the same with codes of one byte (0 .. 31): 256 B a chunk
+ *   Q6_K  per 256 weights: d (f16 x 8), then 8 chunks: codes 256 B (int8, q - 32), sc (int8 x 8)
+ *         of each half of 16 codes                                     w = d sc q
+ *
+ * A row's codes meet the 8 rows' quads as one broadcast 4 bytes per quad: the 8 integer sums
+ * land in the 8 lanes of one vector, one lane per weight row, and are scaled and accumulated
+ * over the chunks in order, lane by lane. */
 
-/* One 32-weight chunk of a weight row: w_k = scale * q_k + min; ``q`` unsigned codes, or, when
- * ``sign`` is set, signed ones (abs in ``q``, the codes themselves in ``sign``); ``mul``: Q6_K's
- * integer factor of each half (16-bit lanes for madd, 32-bit for dpbusd), else 1. */
+enum { U4, U8, S8 }; /* codes: unsigned nibbles, unsigned bytes, signed bytes */
+
+static inline int codes_of(int fmt) {
+    return fmt == Q8_0 || fmt == Q6_K ? S8 : fmt == Q5_K ? U8 : U4;
+}
+
+static inline int64_t chunk_bytes(int fmt) {
+    switch (fmt) {
+    case Q4_0: return 144;
+    case Q4_1: return 160;
+    case Q8_0: return 272;
+    case Q4_K: return 144;
+    default: return 272; /* Q5_K, Q6_K */
+    }
+}
+
+static inline int64_t header_bytes(int fmt) { return fmt == Q4_K || fmt == Q5_K ? 32 : fmt == Q6_K ? 16 : 0; }
+
+/* The bytes of one group of 8 rows over K inputs. */
+int64_t panel_bytes(int fmt, int64_t K) {
+    int64_t chunks = K / 32, supers = header_bytes(fmt) ? K / 256 : 0;
+    return chunks * chunk_bytes(fmt) + supers * header_bytes(fmt);
+}
+
 typedef struct {
-    __m256i q, sign, mul;
-    float scale, min;
+    __m256i q[8], sign[8]; /* codes (S8: their absolute values, ``sign`` the codes) */
+    __m256 scale, scale_b, min; /* per row; scale_b: Q6_K's second half */
 } chunk_t;
 
-INLINE __m256i nibbles(__m128i lo_hi) { /* 16 bytes -> low nibbles, then high nibbles */
-    __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(lo_hi), _mm_srli_epi16(lo_hi, 4), 1);
-    return _mm256_and_si256(v, _mm256_set1_epi8(15));
-}
+static inline __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
-/* Q4_K / Q5_K: the 6-bit scale and min of chunk j of 8 (llama.cpp's get_scale_min_k4). */
-INLINE void k_scale_min(const uint8_t *s, int j, int *sc, int *m) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *m = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
-INLINE chunk_t load_chunk(int fmt, const uint8_t *row, int64_t c) {
-    chunk_t r;
-    r.min = 0.0f;
-    r.mul = _mm256_set1_epi16(1);
-    r.sign = _mm256_setzero_si256();
-    if (fmt == Q4_0 || fmt == Q4_1) {
-        const uint8_t *b = row + c * (fmt == Q4_0 ? 18 : 20);
-        r.scale = f16(b);
-        r.min = fmt == Q4_0 ? -8.0f * r.scale : f16(b + 2);
-        r.q = nibbles(_mm_loadu_si128((const __m128i *)(b + (fmt == Q4_0 ? 2 : 4))));
-    } else if (fmt == Q8_0) {
-        const uint8_t *b = row + c * 34;
-        r.scale = f16(b);
-        r.sign = _mm256_loadu_si256((const __m256i *)(b + 2));
-        r.q = _mm256_abs_epi8(r.sign);
-    } else if (fmt == Q4_K || fmt == Q5_K) {
-        const uint8_t *b = row + (c / 8) * (fmt == Q4_K ? 144 : 176);
-        int j = (int)(c % 8), sc, m;
-        k_scale_min(b + 4, j, &sc, &m);
-        r.scale = f16(b) * (float)sc;
-        r.min = -f16(b + 2) * (float)m;
-        const uint8_t *qs = b + (fmt == Q4_K ? 16 : 48) + 32 * (j / 2);
-        __m256i v = _mm256_loadu_si256((const __m256i *)qs);
-        r.q = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
-        if (fmt == Q5_K) { /* the fifth bit: bit j of each of the 32 bytes of qh */
-            __m256i h = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 16)), j);
-            r.q = _mm256_or_si256(r.q, _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(1)), 4));
+INLINE void load_chunk(int fmt, const uint8_t *group, int64_t c, chunk_t *w) {
+    int64_t h = header_bytes(fmt);
+    const uint8_t *head = group + (h ? (c / 8) * (h + 8 * chunk_bytes(fmt)) : 0);
+    const uint8_t *p = h ? head + h + (c % 8) * chunk_bytes(fmt) : group + c * chunk_bytes(fmt);
+    int kind = codes_of(fmt);
+    if (kind == U4) {
+        const __m256i low = _mm256_set1_epi8(15);
+        for (int j = 0; j < 4; j++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * j));
+            w->q[j] = _mm256_and_si256(v, low);
+            w->q[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         }
-    } else { /* Q6_K: ql[128] qh[64] scales[16] d; chunk j of 8: half h = j / 4, quarter j % 4 */
-        const uint8_t *b = row + (c / 8) * 210;
-        int j = (int)(c % 8), h = j / 4, t = j % 4;
-        __m256i lo = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (t % 2)));
-        lo = _mm256_and_si256(t / 2 ? _mm256_srli_epi16(lo, 4) : lo, _mm256_set1_epi8(15));
-        __m256i hi = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)), 2 * t);
-        hi = _mm256_slli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(3)), 4);
-        r.sign = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
-        r.q = _mm256_abs_epi8(r.sign);
-        r.scale = f16(b + 208);
-        const int8_t *sc = (const int8_t *)(b + 192 + 2 * j);
-#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
-        r.mul = _mm256_setr_epi32(sc[0], sc[0], sc[0], sc[0], sc[1], sc[1], sc[1], sc[1]);
-#else
-        r.mul = _mm256_setr_m128i(_mm_set1_epi16(sc[0]), _mm_set1_epi16(sc[1]));
-#endif
+    } else {
+        for (int j = 0; j < 8; j++) {
+            w->q[j] = _mm256_loadu_si256((const __m256i *)(p + 32 * j));
+            if (kind == S8) {
+                w->sign[j] = w->q[j];
+                w->q[j] = _mm256_abs_epi8(w->q[j]);
+            }
+        }
     }
-    return r;
+    const uint8_t *s = p + (kind == U4 ? 128 : 256);
+    w->min = _mm256_setzero_ps();
+    if (fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0) {
+        w->scale = f16x8(s);
+        if (fmt == Q4_0) w->min = _mm256_mul_ps(w->scale, _mm256_set1_ps(-8.0f));
+        if (fmt == Q4_1) w->min = f16x8(s + 16);
+    } else if (fmt == Q6_K) {
+        __m256 d = f16x8(head);
+        w->scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)s))));
+        w->scale_b = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(s + 8)))));
+    } else { /* Q4_K, Q5_K */
+        __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)s)));
+        __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(s + 8))));
+        w->scale = _mm256_mul_ps(f16x8(head), sc);
+        w->min = _mm256_mul_ps(_mm256_mul_ps(f16x8(head + 16), m), _mm256_set1_ps(-1.0f));
+    }
 }
 
-/* sum over 4 consecutive k of q_k * x_k (times ``mul``), 8 lanes: exact integers. */
-INLINE __m256i dot_chunk(int fmt, const chunk_t *w, __m256i x) {
-    int is_signed = fmt == Q8_0 || fmt == Q6_K;
-    if (is_signed) x = _mm256_sign_epi8(x, w->sign);
+/* One quad: per lane (weight row), sum of its 4 codes times the row's 4 (exact integers). */
+INLINE __m256i quad(int kind, const chunk_t *w, int j, __m256i x, __m256i acc) {
+    if (kind == S8) x = _mm256_sign_epi8(x, w->sign[j]);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w->q, x);
-    return fmt == Q6_K ? _mm256_mullo_epi32(p, w->mul) : p;
+    return _mm256_dpbusd_epi32(acc, w->q[j], x);
 #elif defined(__AVXVNNI__)
-    __m256i p = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w->q, x);
-    return fmt == Q6_K ? _mm256_mullo_epi32(p, w->mul) : p;
+    return _mm256_dpbusd_avx_epi32(acc, w->q[j], x);
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w->q, x), w->mul);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w->q[j], x), _mm256_set1_epi16(1)));
 #endif
 }
 
-/* ---- the matmul ----------------------------------------------------------------------------- */
+static inline __m256i broadcast4(const int8_t *x) {
+    int32_t four;
+    memcpy(&four, x, 4);
+    return _mm256_set1_epi32(four);
+}
 
-/* Rows r0 .. r0 + R - 1 (R <= 4, a constant where it is inlined) against the 4 weight rows
- * ``w``, written to y[r * ldy + o] for the first ``valid`` of them. */
-INLINE void tile(int fmt, const uint8_t *const w[4], int64_t chunks, const int8_t *xq, const float *dx,
-                        const float *isum, int64_t K, int R, float *y, int64_t ldy, int valid) {
+/* Quads lo .. hi - 1 against a row's 32 codes ``x``. Without VNNI, nibbles' products add up in
+ * 16 bits first (8 quads: at most 8 * 2 * 15 * 127 = 30480 a lane), one madd for them all. */
+INLINE __m256i quads(int kind, const chunk_t *w, const int8_t *x, int lo, int hi) {
+    __m256i acc = _mm256_setzero_si256();
+#if !defined(__AVX512VNNI__) && !defined(__AVXVNNI__)
+    if (kind == U4) {
+        for (int j = lo; j < hi; j++) acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(w->q[j], broadcast4(x + 4 * j)));
+        return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
+    }
+#endif
+    for (int j = lo; j < hi; j++) acc = quad(kind, w, j, broadcast4(x + 4 * j), acc);
+    return acc;
+}
+
+/* Rows r0 .. r0 + R - 1 (R <= 4, a constant where it is inlined) against one group of 8
+ * weight rows, written to y[r * ldy + o] for its first ``valid`` rows. */
+INLINE void tile(int fmt, const uint8_t *group, int64_t K, const int8_t *xq, const float *dx, const float *isum,
+                 int R, float *y, int64_t ldy, int valid) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t c = 0; c < chunks; c++) {
-        chunk_t ch[4];
-        for (int o = 0; o < 4; o++) ch[o] = load_chunk(fmt, w[o], c);
-        __m256 scale = _mm256_setr_ps(ch[0].scale, ch[1].scale, ch[2].scale, ch[3].scale,
-                                      ch[0].scale, ch[1].scale, ch[2].scale, ch[3].scale);
-        __m256 min = _mm256_setr_ps(ch[0].min, ch[1].min, ch[2].min, ch[3].min, 0, 0, 0, 0);
+    int kind = codes_of(fmt);
+    for (int64_t c = 0; c < K / 32; c++) {
+        chunk_t w;
+        load_chunk(fmt, group, c, &w);
         for (int r = 0; r < R; r++) {
-            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + c * 32));
-            __m256i s01 = _mm256_hadd_epi32(dot_chunk(fmt, &ch[0], x), dot_chunk(fmt, &ch[1], x));
-            __m256i s23 = _mm256_hadd_epi32(dot_chunk(fmt, &ch[2], x), dot_chunk(fmt, &ch[3], x));
-            __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(s01, s23)), scale);
-            t = _mm256_fmadd_ps(min, _mm256_set1_ps(isum[r * (K / 32) + c]), t);
+            const int8_t *x = xq + r * K + c * 32;
+            __m256 t;
+            if (fmt == Q6_K) {
+                t = _mm256_mul_ps(_mm256_cvtepi32_ps(quads(kind, &w, x, 0, 4)), w.scale);
+                t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quads(kind, &w, x, 4, 8)), w.scale_b, t);
+            } else {
+                t = _mm256_mul_ps(_mm256_cvtepi32_ps(quads(kind, &w, x, 0, 8)), w.scale);
+                t = _mm256_fmadd_ps(w.min, _mm256_set1_ps(isum[r * (K / 32) + c]), t);
+            }
             acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(dx[r * (K / 32) + c]), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) {
-        float out[4];
-        _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1)));
-        for (int o = 0; o < valid; o++) y[r * ldy + o] = out[o];
+        if (valid == 8) {
+            _mm256_storeu_ps(y + r * ldy, acc[r]);
+        } else {
+            float out[8];
+            _mm256_storeu_ps(out, acc[r]);
+            memcpy(y + r * ldy, out, sizeof(float) * valid);
+        }
     }
 }
 
-/* Every row of one row block against the 4 weight rows from ``n``. */
-INLINE void group(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t N, const int8_t *xq,
-                         const float *dx, const float *isum, int64_t rows, int64_t K, float *y, int64_t ldy) {
-    const uint8_t *wr[4];
-    int valid = N - n < 4 ? (int)(N - n) : 4;
-    for (int o = 0; o < 4; o++) wr[o] = w + (n + (o < valid ? o : valid - 1)) * row_bytes;
+/* Every row of one row block against group g. */
+INLINE void group(int fmt, const uint8_t *w, int64_t g, int64_t N, const int8_t *xq, const float *dx,
+                  const float *isum, int64_t rows, int64_t K, float *y, int64_t ldy) {
+    const uint8_t *p = w + g * panel_bytes(fmt, K);
+    int valid = N - 8 * g < 8 ? (int)(N - 8 * g) : 8;
     int64_t r = 0, nb = K / 32;
+    float *out = y + 8 * g;
     for (; r + 4 <= rows; r += 4)
-        tile(fmt, wr, nb, xq + r * K, dx + r * nb, isum + r * nb, K, 4, y + r * ldy + n, ldy, valid);
+        tile(fmt, p, K, xq + r * K, dx + r * nb, isum + r * nb, 4, out + r * ldy, ldy, valid);
     switch (rows - r) {
-    case 3: tile(fmt, wr, nb, xq + r * K, dx + r * nb, isum + r * nb, K, 3, y + r * ldy + n, ldy, valid); break;
-    case 2: tile(fmt, wr, nb, xq + r * K, dx + r * nb, isum + r * nb, K, 2, y + r * ldy + n, ldy, valid); break;
-    case 1: tile(fmt, wr, nb, xq + r * K, dx + r * nb, isum + r * nb, K, 1, y + r * ldy + n, ldy, valid); break;
+    case 3: tile(fmt, p, K, xq + r * K, dx + r * nb, isum + r * nb, 3, out + r * ldy, ldy, valid); break;
+    case 2: tile(fmt, p, K, xq + r * K, dx + r * nb, isum + r * nb, 2, out + r * ldy, ldy, valid); break;
+    case 1: tile(fmt, p, K, xq + r * K, dx + r * nb, isum + r * nb, 1, out + r * ldy, ldy, valid); break;
     }
 }
 
 #define DEFINE_MATMUL(name, FMT)                                                                               \
-    static void name(const uint8_t *w, int64_t row_bytes, int64_t N, const int8_t *xq, const float *dx,         \
-                     const float *isum, int64_t M, int64_t K, float *y, int64_t ldy, int num_threads) {         \
-        int64_t groups = (N + 3) / 4, nb = K / 32;                                                             \
+    static void name(const uint8_t *w, int64_t N, const int8_t *xq, const float *dx, const float *isum,        \
+                     int64_t M, int64_t K, float *y, int64_t ldy, int num_threads) {                           \
+        int64_t groups = (N + 7) / 8, nb = K / 32;                                                             \
         _Pragma("omp parallel num_threads(num_threads)")                                                       \
         for (int64_t r0 = 0; r0 < M; r0 += ROW_BLOCK) {                                                        \
             int64_t rows = M - r0 < ROW_BLOCK ? M - r0 : ROW_BLOCK;                                            \
             _Pragma("omp for schedule(static)")                                                                \
             for (int64_t g = 0; g < groups; g++)                                                               \
-                group(FMT, w, row_bytes, 4 * g, N, xq + r0 * K, dx + r0 * nb, isum + r0 * nb, rows, K,         \
-                      y + r0 * ldy, ldy);                                                                      \
+                group(FMT, w, g, N, xq + r0 * K, dx + r0 * nb, isum + r0 * nb, rows, K, y + r0 * ldy, ldy);     \
         }                                                                                                      \
     }
 DEFINE_MATMUL(matmul_q4_0, Q4_0)
@@ -223,26 +250,26 @@ DEFINE_MATMUL(matmul_q4_k, Q4_K)
 DEFINE_MATMUL(matmul_q5_k, Q5_K)
 DEFINE_MATMUL(matmul_q6_k, Q6_K)
 
-/* y[:, :N] (row stride ldy) = x [M, K] @ W.T for W [N, K] in format ``fmt`` (rows ``row_bytes``
- * apart), x's codes from ``quantize_q8``. Returns 0, or -1 for a format without a kernel. */
-int matmul_q(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, const int8_t *xq, const float *dx,
-             const float *isum, int64_t M, int64_t K, float *y, int64_t ldy, int num_threads) {
+/* y[:, :N] (row stride ldy) = x [M, K] @ W.T for W [N, K] in panels of format ``fmt``, x's
+ * codes from ``quantize_q8``. Returns 0, or -1 for a format without a kernel. */
+int matmul_q(int fmt, const uint8_t *w, int64_t N, const int8_t *xq, const float *dx, const float *isum, int64_t M,
+             int64_t K, float *y, int64_t ldy, int num_threads) {
     switch (fmt) {
-    case Q4_0: matmul_q4_0(w, row_bytes, N, xq, dx, isum, M, K, y, ldy, num_threads); return 0;
-    case Q4_1: matmul_q4_1(w, row_bytes, N, xq, dx, isum, M, K, y, ldy, num_threads); return 0;
-    case Q8_0: matmul_q8_0(w, row_bytes, N, xq, dx, isum, M, K, y, ldy, num_threads); return 0;
-    case Q4_K: matmul_q4_k(w, row_bytes, N, xq, dx, isum, M, K, y, ldy, num_threads); return 0;
-    case Q5_K: matmul_q5_k(w, row_bytes, N, xq, dx, isum, M, K, y, ldy, num_threads); return 0;
-    case Q6_K: matmul_q6_k(w, row_bytes, N, xq, dx, isum, M, K, y, ldy, num_threads); return 0;
+    case Q4_0: matmul_q4_0(w, N, xq, dx, isum, M, K, y, ldy, num_threads); return 0;
+    case Q4_1: matmul_q4_1(w, N, xq, dx, isum, M, K, y, ldy, num_threads); return 0;
+    case Q8_0: matmul_q8_0(w, N, xq, dx, isum, M, K, y, ldy, num_threads); return 0;
+    case Q4_K: matmul_q4_k(w, N, xq, dx, isum, M, K, y, ldy, num_threads); return 0;
+    case Q5_K: matmul_q5_k(w, N, xq, dx, isum, M, K, y, ldy, num_threads); return 0;
+    case Q6_K: matmul_q6_k(w, N, xq, dx, isum, M, K, y, ldy, num_threads); return 0;
     }
     return -1;
 }
 
 /* x [M, K] float32 times the weight ``parts`` stacked along the outputs: part i in format
- * fmts[i], ns[i] rows ``row_bytes[i]`` apart from ws[i]; y [M, sum(ns)]. Returns 0, or -1
- * (y unwritten) for a format without a kernel, -2 when out of memory. */
+ * fmts[i], ns[i] rows in panels from ws[i]; y [M, sum(ns)]. Returns 0, or -1 (y unwritten)
+ * for a format without a kernel, -2 when out of memory. */
 int quant_linear(const float *x, int64_t M, int64_t K, int parts, const int *fmts, const uint8_t *const *ws,
-                 const int64_t *row_bytes, const int64_t *ns, float *y, int num_threads) {
+                 const int64_t *ns, float *y, int num_threads) {
     int64_t ldy = 0, nb = K / 32;
     for (int i = 0; i < parts; i++) ldy += ns[i];
     int8_t *xq = malloc(M * K + 2 * M * nb * sizeof(float));
@@ -251,7 +278,7 @@ int quant_linear(const float *x, int64_t M, int64_t K, int parts, const int *fmt
     quantize_q8(x, M, K, xq, dx, isum);
     int64_t col = 0;
     for (int i = 0; i < parts; col += ns[i++])
-        if (matmul_q(fmts[i], ws[i], row_bytes[i], ns[i], xq, dx, isum, M, K, y + col, ldy, num_threads)) {
+        if (matmul_q(fmts[i], ws[i], ns[i], xq, dx, isum, M, K, y + col, ldy, num_threads)) {
             free(xq);
             return -1;
         }
@@ -259,12 +286,38 @@ int quant_linear(const float *x, int64_t M, int64_t K, int parts, const int *fmt
     return 0;
 }
 
+/* Rows ids[0 .. n - 1] of a weight [N, K] in panels, dequantized: out [n, K] (embedding lookups
+ * of a model whose embedding is its quantized output head). */
+void panel_rows(int fmt, const uint8_t *w, int64_t K, const int64_t *ids, int64_t n, float *out) {
+    int kind = codes_of(fmt);
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *group = w + (ids[i] / 8) * panel_bytes(fmt, K);
+        int o = (int)(ids[i] % 8);
+        for (int64_t c = 0; c < K / 32; c++) {
+            chunk_t ch;
+            load_chunk(fmt, group, c, &ch);
+            uint8_t q[8][32];
+            int8_t sq[8][32];
+            float scale[8], scale_b[8], min[8];
+            memcpy(q, ch.q, sizeof q);
+            memcpy(sq, kind == S8 ? ch.sign : ch.q, sizeof sq);
+            _mm256_storeu_ps(scale, ch.scale);
+            _mm256_storeu_ps(scale_b, fmt == Q6_K ? ch.scale_b : ch.scale);
+            _mm256_storeu_ps(min, ch.min);
+            for (int k = 0; k < 32; k++) {
+                int code = kind == S8 ? sq[k / 4][4 * o + k % 4] : q[k / 4][4 * o + k % 4];
+                out[i * K + c * 32 + k] = (k < 16 ? scale[o] : scale_b[o]) * (float)code + min[o];
+            }
+        }
+    }
+}
+
 /* A weight of ``quant_linear``'s parts behind one pointer: what ``quant_layer_matmul`` reads. */
 typedef struct {
     int parts;
     const int *fmts;
     const uint8_t *const *ws;
-    const int64_t *row_bytes, *ns;
+    const int64_t *ns;
 } quant_matrix;
 
 /* cpu_kernels.c's layer_matmul_fn for quantized weights: y [M, N] = x [M, K] @ W.T, W a
@@ -272,5 +325,5 @@ typedef struct {
 void quant_layer_matmul(const void *w, const float *x, float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
     const quant_matrix *q = w;
     (void)N;
-    quant_linear(x, M, K, q->parts, q->fmts, q->ws, q->row_bytes, q->ns, y, num_threads);
+    quant_linear(x, M, K, q->parts, q->fmts, q->ws, q->ns, y, num_threads);
 }
