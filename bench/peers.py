@@ -1,6 +1,7 @@
 """specserve side by side with the servers a user would run instead, through one client.
 
-    .venv/bin/python -m bench.peers [--servers specserve,specserve-ngram,vllm,vllm-ngram] [--peers-dir ~/peers] [--rounds 2]
+    .venv/bin/python -m bench.peers [--servers specserve,specserve-ngram,specserve-float32,vllm,vllm-ngram,llama]
+        [--peers-dir ~/peers] [--rounds 2]
         [--baseline CHECKOUT]   # also specserve-baseline[-ngram]: an older commit, side by side
 
 Every server is started at once on loopback and measured the same way through
@@ -18,7 +19,11 @@ measured after it:
 - ``c16``: 16 other chat prompts sent at once, total tokens/s, median over rounds;
 - ``turn 2 TTFT``: a conversation whose first turn is about 1,500 tokens; the
   time to first token of its second turn (history + a short question) over
-  the first turn's, streamed: what a prefix cache saves.
+  the first turn's, streamed: what a prefix cache saves;
+- ``RSS``: each server's resident memory (its processes together) at the end.
+
+specserve serves the default model from its GGUF file's Q4_1 blocks, as llama.cpp does;
+``specserve-float32`` serves its float32 conversion (``--quantization none``), as vLLM does.
 
 Greedy texts are kept, and each pair of servers is counted for identical
 texts. The peers are looked for in ``--peers-dir`` (default ``~/peers``):
@@ -40,6 +45,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from bench.common import RESULTS, markdown_table, rotated, round_robin_chat, run_at_once, spec_bench, write_report
 from bench.server_procs import free_port, settle, stop
@@ -67,6 +73,8 @@ def server_command(name: str, port: int, peers: Path, baseline: Path | None = No
                "--max-model-len", "2048", "--served-model-name", "smol"]
         if name.endswith("-ngram"):
             cmd += ["--speculative-config", json.dumps(SPEC_NGRAM)]
+        if name.endswith("-float32"):
+            cmd += ["--quantization", "none"]
         return cmd, env, baseline if name.startswith("specserve-baseline") else None
     if name.startswith("vllm"):
         python = peers / "venv-vllm" / "bin" / "python"
@@ -193,19 +201,36 @@ def measure(urls: dict[str, str], chat_ps: list[str], copy_ps: list[str], conc_p
     return out
 
 
+def quantized_ratios(results: dict) -> str:
+    """specserve on the Q4_1 file against llama.cpp on it and against its own float32 serving:
+    the ratios the quantized path is held to, where those servers ran."""
+    pairs = [("specserve", "llama", "b1_chat", 1.2), ("specserve-ngram", "llama", "b1_copy", 1.5),
+             ("specserve", "llama", "c16", 6.0), ("specserve", "specserve-float32", "b1_chat", 2.0)]
+    rows = [[f"{a} / {b}", key, results[a][key] / results[b][key], goal]
+            for a, b, key, goal in pairs if a in results and b in results]
+    return "\n\n" + markdown_table(["ratio", "measure", "measured", "target"], rows) if rows else ""
+
+
+def resident_mb(pid: int) -> float:
+    """Resident memory of a process and its children together, in MB."""
+    proc = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]) / 1e6
+
+
 def report(results: dict, command: str) -> None:
     names = list(results)
     rows = [[n, r["b1_chat"], r["b1_copy"], r["c16"], r["ttft_turn1_s"], r["ttft_turn2_s"],
-             r["ttft_turn2_s"] / r["ttft_turn1_s"]] for n, r in results.items()]
+             r["ttft_turn2_s"] / r["ttft_turn1_s"], r.get("rss_mb", float("nan"))] for n, r in results.items()]
     body = markdown_table(
         ["server", "b1 chat tok/s", "b1 copy-heavy tok/s", "16 concurrent tok/s", "turn 1 TTFT s",
-         "turn 2 TTFT s", "turn 2 / turn 1"], rows)
+         "turn 2 TTFT s", "turn 2 / turn 1", "RSS MB"], rows)
     if "specserve" in results:
         base = results["specserve"]
         body += "\n\n" + markdown_table(
             ["server", "b1 chat vs specserve", "b1 copy vs specserve", "c16 vs specserve"],
             [[n, r["b1_chat"] / base["b1_chat"], r["b1_copy"] / base["b1_copy"], r["c16"] / base["c16"]]
              for n, r in results.items()])
+    body += quantized_ratios(results)
     pairs = [[f"{a} vs {b}", f"{sum(x == y for x, y in zip(results[a]['texts'], results[b]['texts']))}"
               f"/{len(results[a]['texts'])}"] for i, a in enumerate(names) for b in names[i + 1 :]]
     if pairs:
@@ -214,7 +239,8 @@ def report(results: dict, command: str) -> None:
              "the median over prompts and rounds, 16 concurrent the total over the wall time (median over rounds). "
              "Every server up at once, each request sent to each in turn once all were idle: compare ratios, not absolute figures "
              "across runs. "
-             "llama.cpp (if listed) runs Q4_1 weights, the others float32.\n\n![peers](peers.png)")
+             "specserve and llama.cpp (if listed) run the GGUF file's Q4_1 weights; specserve-float32 and vLLM "
+             "float32.\n\n![peers](peers.png)")
     write_report("peers", "specserve and its peers through one client (SmolLM2-135M-Instruct)", body, command)
     (RESULTS / "peers.json").write_text(json.dumps(results, indent=1))
     plot(results)
@@ -240,7 +266,7 @@ def plot(results: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--servers", default="specserve,specserve-ngram,vllm,vllm-ngram,llama")
+    ap.add_argument("--servers", default="specserve,specserve-ngram,specserve-float32,vllm,vllm-ngram,llama")
     ap.add_argument("--peers-dir", type=Path, default=Path(os.environ.get("PEERS", Path.home() / "peers")))
     ap.add_argument("--baseline", type=Path, default=None,
                     help="a checkout of an older specserve commit, served as specserve-baseline[-ngram]")
@@ -259,6 +285,8 @@ def main() -> None:
             procs.append(start(*spec, Path(tempfile.gettempdir()) / f"specserve-peers-{name}.log"))
             urls[name] = f"http://127.0.0.1:{port}"
         results = measure(urls, chat_ps, copy_ps, conc_ps, args.rounds, [p.pid for p in procs])
+        for name, proc in zip(urls, procs):
+            results[name]["rss_mb"] = resident_mb(proc.pid)
     finally:
         for proc in procs:
             stop(proc, 60)
