@@ -38,7 +38,7 @@ def test_matmul_reads_a_non_contiguous_input(kernel_build):
 @needs_kernel
 def test_matmul_row_results_do_not_depend_on_the_batch(kernel_build):
     """A row's bits are the same alone and at any place among any number of other rows (row
-    groups of 4, work items of 64 rows), and equal to one FMA chain over k in order."""
+    groups of 4, work items of 64 rows, K in chunks on AVX2), and equal to one FMA chain over k in order."""
     g = torch.Generator().manual_seed(7)
     w, x = torch.randn(50, 200, generator=g), torch.randn(150, 200, generator=g)
     kw = cpu_kernels.kernel_weight(w)
