@@ -20,7 +20,9 @@ measured after it:
 - ``turn 2 TTFT``: a conversation whose first turn is about 1,500 tokens; the
   time to first token of its second turn (history + a short question) over
   the first turn's, streamed: what a prefix cache saves;
-- ``RSS``: each server's resident memory (its processes together) at the end.
+- ``RSS``: each server's resident memory (its processes together) at the end, and that
+  less its KV cache's budget (``KV_BUDGET_MB``, as each server is configured here): what
+  its weights and runtime hold.
 
 specserve serves the default model from its GGUF file's Q4_1 blocks, as llama.cpp does;
 ``specserve-float32`` serves its float32 conversion (``--quantization none``), as vLLM does.
@@ -61,6 +63,15 @@ VLLM_MAIN = (
 )
 
 
+# KV-cache budgets as configured below: specserve's --kv-cache-memory-bytes, vLLM's
+# VLLM_CPU_KVCACHE_SPACE, llama.cpp's n_ctx in float16 (30 layers, K and V of 3 heads x 64).
+KV_BYTES = {"specserve": 1 << 30, "vllm": 4 << 30, "llama": 2048 * 30 * 2 * 192 * 2}
+
+
+def kv_budget_mb(name: str) -> float:
+    return KV_BYTES[name.split("-")[0]] / 1e6
+
+
 def server_command(name: str, port: int, peers: Path, baseline: Path | None = None) -> tuple[list[str], dict, Path | None] | None:
     """(argv, environment, working directory) of a server, or None when it is not installed.
     ``specserve-baseline[-ngram]`` runs the checkout in ``baseline`` (an older commit: its
@@ -70,7 +81,7 @@ def server_command(name: str, port: int, peers: Path, baseline: Path | None = No
         if name.startswith("specserve-baseline") and baseline is None:
             return None
         cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--max-model-len", "2048", "--served-model-name", "smol"]
+               "--max-model-len", "2048", "--served-model-name", "smol", "--kv-cache-memory-bytes", str(KV_BYTES["specserve"])]
         if name.endswith("-ngram"):
             cmd += ["--speculative-config", json.dumps(SPEC_NGRAM)]
         if name.endswith("-float32"):
@@ -83,7 +94,7 @@ def server_command(name: str, port: int, peers: Path, baseline: Path | None = No
         tcmalloc = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
         preload = [p for p in (tcmalloc, str(peers / "venv-vllm" / "lib" / "libiomp5.so")) if os.path.exists(p)]
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", NUMBA_THREADING_LAYER="workqueue",
-                   VLLM_CPU_KVCACHE_SPACE="4", LD_PRELOAD=":".join(preload))
+                   VLLM_CPU_KVCACHE_SPACE=str(KV_BYTES["vllm"] >> 30), LD_PRELOAD=":".join(preload))
         cmd = [str(python), "-c", VLLM_MAIN, "serve", str(peers / "smollm2-hf"), "--served-model-name", "smol",
                "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port)]
         if name == "vllm-ngram":
@@ -220,10 +231,11 @@ def resident_mb(pid: int) -> float:
 def report(results: dict, command: str) -> None:
     names = list(results)
     rows = [[n, r["b1_chat"], r["b1_copy"], r["c16"], r["ttft_turn1_s"], r["ttft_turn2_s"],
-             r["ttft_turn2_s"] / r["ttft_turn1_s"], r.get("rss_mb", float("nan"))] for n, r in results.items()]
+             r["ttft_turn2_s"] / r["ttft_turn1_s"], r.get("rss_mb", float("nan")),
+             r.get("rss_mb", float("nan")) - kv_budget_mb(n)] for n, r in results.items()]
     body = markdown_table(
         ["server", "b1 chat tok/s", "b1 copy-heavy tok/s", "16 concurrent tok/s", "turn 1 TTFT s",
-         "turn 2 TTFT s", "turn 2 / turn 1", "RSS MB"], rows)
+         "turn 2 TTFT s", "turn 2 / turn 1", "RSS MB", "RSS less KV budget MB"], rows)
     if "specserve" in results:
         base = results["specserve"]
         body += "\n\n" + markdown_table(
