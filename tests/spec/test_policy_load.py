@@ -11,6 +11,7 @@ import random
 import pytest
 
 from engine.config import SpeculativeConfig
+from engine.sampling_params import SamplingParams
 from engine.spec_decode.cost_tracker import shaped
 from engine.spec_decode.policy import Candidate, SpecPolicy, StepCosts
 
@@ -63,3 +64,23 @@ def test_at_64_requests_cheap_rows_and_high_acceptance_still_draft():
     assert shaped(rows, list(timed)) == timed
     drafts, per_step = simulate(StepCosts(rows, timed), acceptance=0.8)
     assert drafts > 50 and per_step > 1.5
+
+
+def test_an_engine_of_64_requests_whose_copies_miss_decodes_almost_plainly(make_engine, tiny_model):
+    """Through the engine: 64 requests whose prompts repeat a pattern (prompt lookup proposes
+    its continuation at every step) on a random model that does not follow it, priced by the
+    shaped table above: plain decoding, bar a few probes (the timed table as it came out
+    drafts ~30 tokens per 100 output tokens here)."""
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=16, prompt_lookup_max=8)
+    engine = make_engine(tiny_model(), speculative=spec, num_blocks=512, max_num_seqs=64, max_num_batched_tokens=2048)
+    engine.policy.step_costs = StepCosts(ROWS, shaped(ROWS, list(TIMED)))
+    engine.cost_tracker = None  # the table stays as given
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    for i in range(64):
+        engine.add_request(f"r{i}", [7 + i % 5, 8, 9, 10] * 6, params)
+    drafted = []
+    record = engine.policy.record
+    engine.policy.record = lambda rid, d, n, *a, **k: drafted.append(n) or record(rid, d, n, *a, **k)
+    while engine.has_unfinished():
+        engine.step()
+    assert 100 * sum(drafted) / (64 * 24) < 5
