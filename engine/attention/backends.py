@@ -60,9 +60,12 @@ BACKENDS = {b.name: b for b in (TORCH, CPU, TORCH_VARLEN, FLASH_ATTN)}
 _FORWARD = {AttentionMetadata: torch_backend.paged_attention, VarlenMetadata: varlen_backend.paged_attention}
 
 
-def paged_attention(q, k, v, kv_layer, meta) -> torch.Tensor:
-    """q [T, H, D], k and v [T, KVH, D] -> [T, H, D], by the backend that built ``meta``."""
-    return _FORWARD[type(meta)](q, k, v, kv_layer, meta)
+def paged_attention(q, k, v, kv_layer, meta, *, window: int | None = None, scale: float | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """q [T, H, D], k and v [T, KVH, D] -> [T, H, D], by the backend that built ``meta``. A layer
+    with a sliding ``window`` sees the last ``window`` positions (``meta.for_window``); ``scale``
+    is the softmax scale (default 1/sqrt(D)); ``softcap`` caps the scores by ``softcap * tanh(s / softcap)``."""
+    return _FORWARD[type(meta)](q, k, v, kv_layer, meta.for_window(window), scale, softcap)
 
 
 def flash_attn_status() -> str | None:

@@ -26,11 +26,12 @@ def merge_attention(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Ten
     return out.to(out_a.dtype), lse
 
 
-def masked_attention_lse(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_attention_lse(q, k, v, mask, scale: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded batched attention with an explicit mask, returning its log-sum-exp.
 
     q [n, mq, H, D]; k, v [n, mk, KVH, D] (H a multiple of KVH: grouped-query heads
     share their KV head without copying it); mask [n, mq, mk] bool, True = attend.
+    ``softcap``: the scores become ``softcap * tanh(scores / softcap)`` (Gemma 2).
     Returns out [n, mq, H, D] in q's dtype and lse [n, mq, H] float32. A row that
     sees no key gets out 0 and lse -inf (as flash-attn does).
     """
@@ -40,6 +41,8 @@ def masked_attention_lse(q, k, v, mask, scale: float) -> tuple[torch.Tensor, tor
     qg = q.reshape(n, mq, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(n, kvh, mq * g, d)  # rows (query, group)
     kg, vg = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)  # [n, KVH, mk, D]
     scores = torch.matmul(qg.float(), kg.float().transpose(-1, -2)) * scale  # [n, KVH, mq * g, mk]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     visible = mask[:, None, :, None, :].expand(n, 1, mq, g, mk).reshape(n, 1, mq * g, mk)
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [n, KVH, mq * g]

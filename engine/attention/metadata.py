@@ -17,6 +17,13 @@ A request may carry a tree: ``parents[i]`` is the index (among its new tokens)
 of new token ``i``'s parent, -1 for a child of the last committed token. Token
 ``i`` then sees the committed prefix plus its own ancestors and itself. A chain
 is the tree ``parents = [-1, 0, 1, ...]``, which is the default.
+
+Sliding-window layers (Mistral, Gemma) see only the last ``window`` positions:
+a query at position ``p`` sees the keys at positions ``p - window + 1 .. p``
+(Hugging Face's rule, ``q - k < window``). A tree node's position is the
+context length plus its depth, so a node sees the ancestors and committed keys
+within ``window`` of its own depth. ``AttentionMetadata.for_window`` builds a
+step's windowed metadata once, from the same specs, for every layer of that window.
 """
 
 from dataclasses import dataclass, field
@@ -89,6 +96,19 @@ class AttentionMetadata:
     batched: list[BatchedQuery] = field(default_factory=list)  # one per query-length bucket
     listed: ListedQueries | None = None  # built with ``listed=True``: every query, for the CPU kernel
     specs: list[SeqSpec] = field(default_factory=list)  # what it was built from (other tensor-parallel ranks rebuild it)
+    block_size: int = 0
+    window: int | None = None  # a query sees the last ``window`` positions; None: all
+    windowed: dict = field(default_factory=dict)  # window -> this step's metadata for it (``for_window``)
+
+    def for_window(self, window: int | None) -> "AttentionMetadata":
+        """This step's metadata for layers that see the last ``window`` positions: itself where
+        no query of the step reaches that far back, else built once and kept."""
+        if window is None or window == self.window or not any(window_binds(s, window) for s in self.specs):
+            return self
+        if window not in self.windowed:
+            self.windowed[window] = build_attention_metadata(
+                self.specs, self.block_size, self.slot_mapping.device, self.listed is not None, window)
+        return self.windowed[window]
 
     def lists_all(self, num_tokens: int) -> bool:
         """Whether all ``num_tokens`` tokens attend through ``listed`` (a whole-layer C call can run)."""
@@ -125,32 +145,57 @@ def tree_depths(parents: tuple[int, ...]) -> np.ndarray:
     return depth
 
 
+def window_binds(spec: SeqSpec, window: int) -> bool:
+    """Whether some query of ``spec`` sits ``window`` or more positions after position 0."""
+    depth = int(tree_depths(spec.parents).max()) if spec.parents else spec.query_len - 1
+    return spec.context_len + depth >= window
+
+
+def window_mask(spec: SeqSpec, window: int) -> np.ndarray:
+    """[query_len, context_len + query_len] bool: the key (committed positions, then the new
+    tokens in order) lies within ``window`` positions of the query (position = context + depth).
+
+    >>> window_mask(SeqSpec(2, 2, [0]), 2).astype(int).tolist()
+    [[0, 1, 1, 1], [0, 0, 1, 1]]
+    """
+    depth = tree_depths(spec.parents) if spec.parents else np.arange(spec.query_len)
+    q_pos = spec.context_len + depth
+    k_pos = np.concatenate([np.arange(spec.context_len), q_pos])
+    return q_pos[:, None] - k_pos[None, :] < window
+
+
 def token_slots(block_table: list[int], n: int, block_size: int) -> np.ndarray:
     """[n] KV slot of positions 0 .. n-1 of a request with ``block_table``."""
     pos = np.arange(n, dtype=np.int64)
     return np.asarray(block_table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
 
 
-def _solo(spec: SeqSpec, start: int, block_size: int, device) -> SoloQuery:
+def _solo(spec: SeqSpec, start: int, block_size: int, device, window: int | None = None) -> SoloQuery:
     end = start + spec.query_len
-    if spec.context_len == 0 and spec.parents is None:
+    windowed = window is not None and window_binds(spec, window)
+    chain = spec.parents is None
+    if spec.context_len == 0 and chain and not windowed:
         return SoloQuery(start, end, None, None, None, causal=True)
     kv_len = spec.context_len + spec.query_len
     blocks = spec.block_table[: -(-kv_len // block_size)]
     slots = span = None
-    if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
+    if spec.context_len == 0 and chain:
+        pass  # the step's own keys and values
+    elif blocks == list(range(blocks[0], blocks[0] + len(blocks))):
         span = (blocks[0] * block_size, kv_len)
     else:
         slots = to_device(token_slots(spec.block_table, kv_len, block_size), device)
-    if spec.query_len == 1 and spec.parents is None:
+    if spec.query_len == 1 and chain and not windowed:
         return SoloQuery(start, end, slots, span, None, causal=False)  # one token sees everything
     mask = np.ones((spec.query_len, kv_len), dtype=bool)
-    new = tree_mask(spec.parents) if spec.parents else np.tri(spec.query_len, dtype=bool)
-    mask[:, spec.context_len :] = new
+    mask[:, spec.context_len :] = np.tri(spec.query_len, dtype=bool) if chain else tree_mask(spec.parents)
+    if windowed:
+        mask &= window_mask(spec, window)
     return SoloQuery(start, end, slots, span, to_device(mask, device), causal=False)
 
 
-def _batched(specs: list[SeqSpec], starts: list[int], total_tokens: int, block_size: int, device) -> BatchedQuery:
+def _batched(specs: list[SeqSpec], starts: list[int], total_tokens: int, block_size: int, device,
+             window: int | None = None) -> BatchedQuery:
     ctx = np.array([s.context_len for s in specs], dtype=np.int64)  # [n]
     qlen = np.array([s.query_len for s in specs], dtype=np.int64)  # [n]
     max_q, max_kv = int(qlen.max()), int((ctx + qlen).max())
@@ -167,10 +212,12 @@ def _batched(specs: list[SeqSpec], starts: list[int], total_tokens: int, block_s
     # Chain rule: row i sees positions up to context_len + i (padding rows repeat the last).
     mask = pos[None, None, :] <= (ctx[:, None] + rows)[:, :, None]  # [n, max_q, max_kv]
     for r, s in enumerate(specs):
+        c, m = s.context_len, s.query_len
         if s.parents is not None:
-            c, m = s.context_len, s.query_len
             mask[r, :m, c : c + m] = tree_mask(s.parents)
-            mask[r, m:] = mask[r, m - 1]
+        if window is not None and window_binds(s, window):
+            mask[r, :m, : c + m] &= window_mask(s, window)
+        mask[r, m:] = mask[r, m - 1]
     valid_rows = np.flatnonzero(valid)
     valid_tokens = token_index.reshape(-1)[valid_rows]
     rows_are_tokens = bool(valid.all()) and np.array_equal(valid_tokens, np.arange(total_tokens))
@@ -180,7 +227,7 @@ def _batched(specs: list[SeqSpec], starts: list[int], total_tokens: int, block_s
     )
 
 
-def _listed(specs: list[SeqSpec], starts: list[int], all_slots: list[np.ndarray]) -> ListedQueries:
+def _listed(specs: list[SeqSpec], starts: list[int], all_slots: list[np.ndarray], window: int | None) -> ListedQueries:
     rows, start, length, lists, offset = [], [], [], [], 0
     for spec, first, slots in zip(specs, starts, all_slots):
         c, m = spec.context_len, spec.query_len
@@ -198,31 +245,36 @@ def _listed(specs: list[SeqSpec], starts: list[int], all_slots: list[np.ndarray]
             lists.append(np.concatenate([slots[:c], slots[c:][path]]))
             offset += c + len(path)
     to = lambda parts: torch.from_numpy(np.concatenate(parts).astype(np.int64))  # noqa: E731
-    return ListedQueries(to(rows), to(start), to(length), to(lists))
+    start, length = np.concatenate(start), np.concatenate(length)
+    if window is not None:  # a token's list is in position order: it sees the last ``window`` of its prefix
+        start, length = start + np.maximum(length - window, 0), np.minimum(length, window)
+    return ListedQueries(to(rows), to([start]), to([length]), to(lists))
 
 
-def build_attention_metadata(specs: list[SeqSpec], block_size: int, device="cpu", listed=False) -> AttentionMetadata:
+def build_attention_metadata(specs: list[SeqSpec], block_size: int, device="cpu", listed=False,
+                             window: int | None = None) -> AttentionMetadata:
     """Metadata for a step whose flat tokens are ``specs`` in order. ``listed`` (CPU only):
     every request goes to ``meta.listed``, prefill chunks too, so that one kernel attends
-    every query of every step the same way (a token's bits never depend on its step)."""
+    every query of every step the same way (a token's bits never depend on its step).
+    ``window``: for layers that see the last ``window`` positions."""
     starts = np.concatenate([[0], np.cumsum([s.query_len for s in specs])]).tolist()
     all_slots = [token_slots(s.block_table, s.context_len + s.query_len, block_size) for s in specs]
     slot_mapping = np.concatenate([slots[s.context_len :] for s, slots in zip(specs, all_slots)])
-    meta = AttentionMetadata(to_device(slot_mapping, device), specs=list(specs))
+    meta = AttentionMetadata(to_device(slot_mapping, device), specs=list(specs), block_size=block_size, window=window)
     if listed:
-        meta.listed = _listed(specs, starts[:-1], all_slots)
+        meta.listed = _listed(specs, starts[:-1], all_slots, window)
         return meta
     buckets: dict[int, list[int]] = {}
     for i, s in enumerate(specs):
         if s.query_len > MAX_BATCHED_QUERY:
-            meta.solo.append(_solo(s, starts[i], block_size, device))
+            meta.solo.append(_solo(s, starts[i], block_size, device, window))
         else:
             buckets.setdefault((s.query_len - 1).bit_length(), []).append(i)
     for _, group in sorted(buckets.items()):
         if len(group) == 1:  # alone in its bucket: no padding, and often no gather
-            meta.solo.append(_solo(specs[group[0]], starts[group[0]], block_size, device))
+            meta.solo.append(_solo(specs[group[0]], starts[group[0]], block_size, device, window))
         else:
             meta.batched.append(
-                _batched([specs[i] for i in group], [starts[i] for i in group], starts[-1], block_size, device)
+                _batched([specs[i] for i in group], [starts[i] for i in group], starts[-1], block_size, device, window)
             )
     return meta

@@ -24,61 +24,71 @@ from engine.attention.varlen_metadata import VarlenGroup, VarlenMetadata
 FLASH_BLOCK_SIZE_MULTIPLE = 256
 
 
-def paged_attention(q, k, v, kv_layer, meta: VarlenMetadata) -> torch.Tensor:
+def paged_attention(q, k, v, kv_layer, meta: VarlenMetadata, scale: float | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q [T, H, D], k and v [T, KVH, D] (new tokens) -> [T, H, D].
 
     ``kv_layer`` is ``(k_cache, v_cache)``, each [num_blocks, block_size, KVH, D];
     the new K/V are written to their slots first, then read back through the cache.
+    ``scale``: the softmax scale (default 1/sqrt(D)); ``softcap``: Gemma 2's score cap.
     """
     k_cache, v_cache = kv_layer
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
-    scale = q.shape[-1] ** -0.5
+    scale = scale or q.shape[-1] ** -0.5
     out = None if len(meta.groups) == 1 and meta.groups[0].token_index is None else torch.empty_like(q)
     for g in meta.groups:
         qg = q if g.token_index is None else q.index_select(0, g.token_index)
-        o, _ = meta.kernel(qg, k_cache, v_cache, g, scale)
+        o, _ = meta.kernel(qg, k_cache, v_cache, g, scale, softcap)
         if out is None:
             out = o  # the one group holds every token of the step, in order
         else:
             out.index_copy_(0, g.token_index, o)
     if meta.tree is not None:
-        out.index_copy_(0, meta.tree.valid_tokens, tree_attention(q, k, v, k_cache, v_cache, meta, scale))
+        out.index_copy_(0, meta.tree.valid_tokens, tree_attention(q, k, v, k_cache, v_cache, meta, scale, softcap))
     return out
 
 
-def tree_attention(q, k, v, k_cache, v_cache, meta: VarlenMetadata, scale: float) -> torch.Tensor:
+def tree_attention(q, k, v, k_cache, v_cache, meta: VarlenMetadata, scale: float, softcap=None) -> torch.Tensor:
     """Attention of every tree node: [num_nodes, H, D], nodes request by request."""
     t = meta.tree
     n, max_m = t.token_index.shape
-    q_nodes = q.index_select(0, t.valid_tokens)  # [num_nodes, H, D]
-    out_prefix, lse_prefix = meta.kernel(q_nodes, k_cache, v_cache, meta.tree_prefix, scale)
-    # A tree right after an empty context has no prefix part (flash-attn reports lse +inf there).
+    out_prefix = q.new_zeros(q.shape)  # [T, H, D], by flat token: the prefix part of each node
+    lse_prefix = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)  # [T, H]
+    for g in meta.tree_prefixes:
+        o, lse = meta.kernel(q.index_select(0, g.token_index), k_cache, v_cache, g, scale, softcap)
+        out_prefix.index_copy_(0, g.token_index, o)
+        lse_prefix.index_copy_(0, g.token_index, lse)
+    out_prefix, lse_prefix = out_prefix.index_select(0, t.valid_tokens), lse_prefix.index_select(0, t.valid_tokens)
+    # A node with no committed key in sight has no prefix part (flash-attn reports lse +inf there).
     lse_prefix = lse_prefix.masked_fill(~t.has_prefix[:, None], float("-inf"))
     flat = t.token_index.view(-1)
     qt = q.index_select(0, flat).view(n, max_m, *q.shape[1:])
     kt = k.index_select(0, flat).view(n, max_m, *k.shape[1:])
     vt = v.index_select(0, flat).view(n, max_m, *v.shape[1:])
-    out_tree, lse_tree = masked_attention_lse(qt, kt, vt, t.mask, scale)  # [n, max_m, H, D], [n, max_m, H]
+    out_tree, lse_tree = masked_attention_lse(qt, kt, vt, t.mask, scale, softcap)  # [n, max_m, H, D], [n, max_m, H]
     out_tree = out_tree.view(n * max_m, *q.shape[1:]).index_select(0, t.valid_rows)
     lse_tree = lse_tree.view(n * max_m, -1).index_select(0, t.valid_rows)
     out, _ = merge_attention(out_tree, lse_tree, out_prefix, lse_prefix)
     return out
 
 
-def flash_kernel(q, k_cache, v_cache, g: VarlenGroup, scale: float):
+def flash_kernel(q, k_cache, v_cache, g: VarlenGroup, scale: float, softcap: float | None = None):
     """flash-attn 2.x varlen attention over the paged cache. NEVER RUN in this project
-    (no GPU with flash-attn yet): its arguments follow flash_attn_interface.py."""
+    (no GPU with flash-attn yet): its arguments follow flash_attn_interface.py (``softcap``
+    and ``window_size`` since 2.6)."""
     from flash_attn import flash_attn_varlen_func
 
+    window = (g.window_left, 0) if g.window_left >= 0 else (-1, -1)
     out, lse, _ = flash_attn_varlen_func(
         q, k_cache, v_cache, g.cu_seqlens_q, g.cu_seqlens_k, g.max_seqlen_q, g.max_seqlen_k,
-        softmax_scale=scale, causal=g.causal, return_attn_probs=True, block_table=g.block_table,
+        softmax_scale=scale, causal=g.causal, window_size=window, softcap=softcap or 0.0,
+        return_attn_probs=True, block_table=g.block_table,
     )
     return out, lse.transpose(0, 1)  # flash's softmax_lse is [H, num_q]
 
 
-def torch_kernel(q, k_cache, v_cache, g: VarlenGroup, scale: float):
+def torch_kernel(q, k_cache, v_cache, g: VarlenGroup, scale: float, softcap: float | None = None):
     """``flash_kernel``'s contract in plain torch: requests padded to the group's longest
     query and KV (so groups should be bucketed by query length), with no host sync."""
     device, n = q.device, g.block_table.shape[0]
@@ -94,10 +104,14 @@ def torch_kernel(q, k_cache, v_cache, g: VarlenGroup, scale: float):
     kb = k_flat.index_select(0, slots).view(n, len(pos), *k_cache.shape[2:])  # [n, max_k, KVH, D]
     vb = v_flat.index_select(0, slots).view(n, len(pos), *v_cache.shape[2:])
     mask = pos[None, None, :] < kv_len[:, None, None]  # [n, 1, max_k]
+    diagonal = (kv_len - q_len)[:, None, None] + rows[None, :, None]  # [n, max_q, 1]: row i's own position
     if g.causal:  # bottom-right: row i sees positions <= kv_len - q_len + i
-        mask = mask & (pos[None, None, :] <= (kv_len - q_len)[:, None, None] + rows[None, :, None])
+        mask = mask & (pos[None, None, :] <= diagonal)
+    if g.window_left >= 0:
+        mask = mask & (pos[None, None, :] >= diagonal - g.window_left)
     mask = mask.expand(n, g.max_seqlen_q, -1)
-    out, lse = masked_attention_lse(q.index_select(0, q_index.view(-1)).view(n, g.max_seqlen_q, *q.shape[1:]), kb, vb, mask, scale)
+    qg = q.index_select(0, q_index.view(-1)).view(n, g.max_seqlen_q, *q.shape[1:])
+    out, lse = masked_attention_lse(qg, kb, vb, mask, scale, softcap)
     # Query row j of the group is row j - cu_seqlens_q[r] of its request r.
     j = torch.arange(q.shape[0], device=device)
     req = torch.searchsorted(g.cu_seqlens_q[1:].long(), j, right=True)

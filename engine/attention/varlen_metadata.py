@@ -21,6 +21,13 @@ are split in two parts merged by log-sum-exp (``engine.attention.lse``):
   (``kv_len = context_len``, not causal: all of it is visible);
 - ``tree``: every node against the tree's own new tokens, with the tree mask
   (a small dense attention over the step's new K/V, ``TreePart``).
+
+Sliding windows (``window``: a query at position p sees positions p - window + 1 .. p)
+are flash-attn's ``window_size=(window - 1, 0)`` on the causal groups. A tree node
+at depth d (position context + d) sees the committed positions from context + d -
+window + 1 on: with a window, ``tree_prefixes`` holds one group per depth, each node
+its own one-row query over the context with ``window_left = window - 2 - d`` (a node
+deeper than that sees no committed key and is left out: its prefix part is empty).
 """
 
 from dataclasses import dataclass, field
@@ -29,7 +36,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from engine.attention.metadata import MAX_BATCHED_QUERY, SeqSpec, token_slots, tree_mask
+from engine.attention.metadata import (
+    MAX_BATCHED_QUERY, SeqSpec, token_slots, tree_depths, tree_mask, window_binds, window_mask,
+)
 from engine.transfer import to_device
 
 
@@ -44,6 +53,9 @@ class VarlenGroup:
     max_seqlen_k: int
     block_table: torch.Tensor  # [n, max_blocks] int32; max_blocks * block_size >= max_seqlen_k
     causal: bool  # bottom-right aligned causal mask; False: every key up to kv_len is visible
+    # Query row i of a request (kv_len keys, q_len rows) also sees only keys from
+    # kv_len - q_len + i - window_left on (flash-attn's window_size[0]); -1: no limit.
+    window_left: int = -1
 
 
 @dataclass
@@ -54,7 +66,7 @@ class TreePart:
     mask: torch.Tensor  # [n, max_m, max_m] bool, the tree mask (padding rows copy the last row)
     valid_rows: torch.Tensor  # [num_nodes] indices into the flattened [n * max_m] rows
     valid_tokens: torch.Tensor  # [num_nodes] flat step token of each node, request by request
-    has_prefix: torch.Tensor  # [num_nodes] bool: the node's request has committed context
+    has_prefix: torch.Tensor  # [num_nodes] bool: the node sees some committed key (it is in a tree_prefixes group)
 
 
 # (q [num_q, H, D], k_cache, v_cache, group, scale) -> (out [num_q, H, D], lse [num_q, H] float32)
@@ -66,26 +78,63 @@ class VarlenMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] slot each new token's K/V is written to
     kernel: Kernel  # flash-attn's, or its torch stand-in (engine.attention.varlen_backend)
     groups: list[VarlenGroup]  # chains, decodes and prefill chunks (causal)
-    tree_prefix: VarlenGroup | None  # tree nodes against their committed context (not causal)
+    tree_prefixes: list[VarlenGroup]  # tree nodes against their committed context (not causal); one per depth with a window
     tree: TreePart | None
     specs: list[SeqSpec] = field(default_factory=list)  # what it was built from (other tensor-parallel ranks rebuild it)
+    block_size: int = 0
+    split_by_query_len: bool = False
+    window: int | None = None
+    windowed: dict = field(default_factory=dict)  # window -> this step's metadata for it (``for_window``)
+
+    def for_window(self, window: int | None) -> "VarlenMetadata":
+        """This step's metadata for layers that see the last ``window`` positions (built once)."""
+        if window is None or window == self.window or not any(window_binds(s, window) for s in self.specs):
+            return self
+        if window not in self.windowed:
+            self.windowed[window] = build_varlen_metadata(self.specs, self.block_size, self.slot_mapping.device,
+                                                          self.kernel, self.split_by_query_len, window)
+        return self.windowed[window]
 
 
-def _group(specs: list[SeqSpec], starts: list[int], kv_lens: list[int], causal: bool, block_size: int, device):
-    qlen = np.array([s.query_len for s in specs], dtype=np.int64)
+def _group(specs: list[SeqSpec], starts: list[int], kv_lens: list[int], causal: bool, block_size: int, device,
+           window_left: int = -1, qlens: list[int] | None = None, index: np.ndarray | None = None):
+    """One kernel call's group: request r's ``qlens[r]`` query rows (default its new tokens,
+    flat tokens ``index``) over its first ``kv_lens[r]`` positions."""
+    qlen = np.array(qlens if qlens is not None else [s.query_len for s in specs], dtype=np.int64)
     kv = np.array(kv_lens, dtype=np.int64)
     width = max(1, int(-(-kv.max() // block_size)))
     tables = np.zeros((len(specs), width), dtype=np.int32)
     for r, s in enumerate(specs):
         n = min(width, len(s.block_table))
         tables[r, :n] = s.block_table[:n]
-    index = np.concatenate([np.arange(b, b + s.query_len) for b, s in zip(starts, specs)])
+    if index is None:
+        index = np.concatenate([np.arange(b, b + s.query_len) for b, s in zip(starts, specs)])
     to = lambda a: to_device(a, device)  # noqa: E731
     cu = lambda a: to(np.concatenate([[0], np.cumsum(a)]).astype(np.int32))  # noqa: E731
-    return VarlenGroup(to(index), cu(qlen), cu(kv), int(qlen.max()), int(kv.max()), to(tables), causal)
+    return VarlenGroup(to(index), cu(qlen), cu(kv), int(qlen.max()), int(kv.max()), to(tables), causal, window_left)
 
 
-def _tree_part(specs: list[SeqSpec], starts: list[int], device) -> TreePart:
+def _tree_prefixes(specs: list[SeqSpec], starts: list[int], block_size: int, device, window: int | None):
+    """The tree nodes' groups over their committed context, and [num_nodes] bool: whether each
+    node (request by request) sees a committed key. Without a window one group of every node;
+    with one, a group per depth d of one-row queries with ``window_left = window - 2 - d``."""
+    if window is None:
+        has = np.repeat([s.context_len > 0 for s in specs], [s.query_len for s in specs])
+        return [_group(specs, starts, [s.context_len for s in specs], False, block_size, device)], has
+    depths = [tree_depths(s.parents) for s in specs]
+    has = np.concatenate([(d <= window - 2) & (s.context_len > 0) for s, d in zip(specs, depths)])
+    groups = []
+    for depth in sorted({int(x) for d in depths for x in d if x <= window - 2}):
+        nodes = [(r, i) for r, d in enumerate(depths) for i in np.flatnonzero(d == depth) if specs[r].context_len]
+        if nodes:
+            sub = [specs[r] for r, _ in nodes]
+            index = np.array([starts[r] + i for r, i in nodes], dtype=np.int64)
+            groups.append(_group(sub, [], [s.context_len for s in sub], False, block_size, device,
+                                 window - 2 - depth, [1] * len(nodes), index))
+    return groups, has
+
+
+def _tree_part(specs: list[SeqSpec], starts: list[int], device, window: int | None, has_prefix: np.ndarray) -> TreePart:
     qlen = np.array([s.query_len for s in specs], dtype=np.int64)
     max_m = int(qlen.max())
     rows = np.minimum(np.arange(max_m)[None, :], qlen[:, None] - 1)  # [n, max_m]
@@ -94,9 +143,10 @@ def _tree_part(specs: list[SeqSpec], starts: list[int], device) -> TreePart:
     for r, s in enumerate(specs):
         m = s.query_len
         mask[r, :m, :m] = tree_mask(s.parents)
+        if window is not None:
+            mask[r, :m, :m] &= window_mask(s, window)[:, s.context_len :]
         mask[r, m:] = mask[r, m - 1]
     valid_rows = np.flatnonzero(np.arange(max_m)[None, :] < qlen[:, None])
-    has_prefix = np.repeat([s.context_len > 0 for s in specs], qlen)
     to = lambda a: to_device(a, device)  # noqa: E731
     return TreePart(to(token_index), to(mask), to(valid_rows), to(token_index.reshape(-1)[valid_rows]), to(has_prefix))
 
@@ -117,9 +167,11 @@ def _chain_groups(specs: list[SeqSpec], split_by_query_len: bool) -> list[list[i
 
 
 def build_varlen_metadata(
-    specs: list[SeqSpec], block_size: int, device, kernel: Kernel, split_by_query_len: bool = False
+    specs: list[SeqSpec], block_size: int, device, kernel: Kernel, split_by_query_len: bool = False,
+    window: int | None = None,
 ) -> VarlenMetadata:
-    """Metadata for a step whose flat tokens are ``specs`` in order."""
+    """Metadata for a step whose flat tokens are ``specs`` in order; ``window``: for layers
+    that see the last ``window`` positions."""
     starts = np.concatenate([[0], np.cumsum([s.query_len for s in specs])]).tolist()
     slot_mapping = np.concatenate(
         [token_slots(s.block_table, s.context_len + s.query_len, block_size)[s.context_len :] for s in specs]
@@ -127,13 +179,15 @@ def build_varlen_metadata(
     groups = []
     for idx in _chain_groups(specs, split_by_query_len):
         sub = [specs[i] for i in idx]
-        groups.append(_group(sub, [starts[i] for i in idx], [s.context_len + s.query_len for s in sub], True, block_size, device))
+        groups.append(_group(sub, [starts[i] for i in idx], [s.context_len + s.query_len for s in sub], True, block_size,
+                             device, -1 if window is None else window - 1))
     if len(groups) == 1 and len(groups[0].token_index) == starts[-1]:
         groups[0].token_index = None  # every token of the step, in order: no gather, no scatter
     trees = [i for i, s in enumerate(specs) if s.parents is not None]
-    tree_prefix = tree = None
+    tree_prefixes, tree = [], None
     if trees:
         sub, sub_starts = [specs[i] for i in trees], [starts[i] for i in trees]
-        tree_prefix = _group(sub, sub_starts, [s.context_len for s in sub], False, block_size, device)
-        tree = _tree_part(sub, sub_starts, device)
-    return VarlenMetadata(to_device(slot_mapping, device), kernel, groups, tree_prefix, tree, list(specs))
+        tree_prefixes, has_prefix = _tree_prefixes(sub, sub_starts, block_size, device, window)
+        tree = _tree_part(sub, sub_starts, device, window, has_prefix)
+    return VarlenMetadata(to_device(slot_mapping, device), kernel, groups, tree_prefixes, tree, list(specs),
+                          block_size, split_by_query_len, window)

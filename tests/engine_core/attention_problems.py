@@ -42,22 +42,34 @@ def ancestors_or_self(parents, i):
     return out
 
 
-def dense_attention(q, k, v, context_len, parents):
-    """q [m, H, D]; k, v [context_len + m, KVH, D] -> [m, H, D], in float64."""
+def depth_of(parents, i) -> int:
+    return len(ancestors_or_self(parents, i)) - 1
+
+
+def dense_attention(q, k, v, context_len, parents, window=None, scale=None, softcap=None):
+    """q [m, H, D]; k, v [context_len + m, KVH, D] -> [m, H, D], in float64. A new token's
+    position is context_len + its depth; with a ``window`` it sees keys less than ``window``
+    positions back; ``softcap``: scores become softcap * tanh(score / softcap)."""
     m, num_heads, d = q.shape
     group = num_heads // k.shape[1]
+    scale = scale or d**-0.5
     out = torch.empty(m, num_heads, d, dtype=torch.float64)
     for i in range(m):
-        visible = list(range(context_len)) + [context_len + j for j in sorted(ancestors_or_self(parents, i))]
+        pos = context_len + depth_of(parents, i)
+        visible = [j for j in range(context_len) if window is None or pos - j < window]
+        visible += [context_len + j for j in sorted(ancestors_or_self(parents, i))
+                    if window is None or pos - (context_len + depth_of(parents, j)) < window]
         for h in range(num_heads):
             keys, vals = k[visible, h // group].double(), v[visible, h // group].double()
-            w = torch.softmax(keys @ q[i, h].double() / d**0.5, dim=0)
-            out[i, h] = w @ vals
+            s = keys @ q[i, h].double() * scale
+            if softcap is not None:
+                s = torch.tanh(s / softcap) * softcap
+            out[i, h] = torch.softmax(s, dim=0) @ vals
     return out
 
 
 def make_problem(cases=CASES, block_size=4, contiguous=False, seed=0, dtype=torch.float32, device="cpu",
-                 num_heads=4, num_kv_heads=2, head_dim=8) -> Problem:
+                 num_heads=4, num_kv_heads=2, head_dim=8, window=None, scale=None, softcap=None) -> Problem:
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     need = [-(-(c + m) // block_size) for c, m, _ in cases]
@@ -78,15 +90,16 @@ def make_problem(cases=CASES, block_size=4, contiguous=False, seed=0, dtype=torc
             v_cache[table[pos // block_size], pos % block_size] = v[pos]
         specs.append(SeqSpec(c, m, table, parents))
         qs.append(q), ks.append(k[c:]), vs.append(v[c:])
-        refs.append(dense_attention(q, k, v, c, parents or tuple(range(-1, m - 1))))
+        refs.append(dense_attention(q, k, v, c, parents or tuple(range(-1, m - 1)), window, scale, softcap))
     on = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
     return Problem(specs, on(torch.cat(qs)), on(torch.cat(ks)), on(torch.cat(vs)), on(k_cache), on(v_cache), torch.cat(refs))
 
 
-def reference_kernel(q, k_cache, v_cache, g, scale):
+def reference_kernel(q, k_cache, v_cache, g, scale, softcap=None):
     """The varlen kernel contract (``engine.attention.varlen_metadata.Kernel``), one
     request and one row at a time in float64: flash-attn's documented semantics
-    (bottom-right causal; a row with no visible key gives out 0, lse -inf)."""
+    (bottom-right causal; a window of ``g.window_left`` keys before the row's own
+    diagonal; soft-capped scores; a row with no visible key gives out 0, lse -inf)."""
     bs = k_cache.shape[1]
     k_flat, v_flat = k_cache.reshape(-1, *k_cache.shape[2:]).double(), v_cache.reshape(-1, *v_cache.shape[2:]).double()
     cu_q, cu_k = g.cu_seqlens_q.tolist(), g.cu_seqlens_k.tolist()
@@ -98,12 +111,17 @@ def reference_kernel(q, k_cache, v_cache, g, scale):
         m, n = cu_q[r + 1] - cu_q[r], cu_k[r + 1] - cu_k[r]
         slots = [table[r][p // bs] * bs + p % bs for p in range(n)]
         for i in range(m):
-            visible = slots[: max(0, n - m + i + 1)] if g.causal else slots
+            diagonal = n - m + i
+            visible = slots[: max(0, diagonal + 1)] if g.causal else slots
+            if g.window_left >= 0:
+                visible = [sl for p, sl in enumerate(visible) if p >= diagonal - g.window_left]
             if not visible:
                 continue
             row = cu_q[r] + i
             for h in range(num_heads):
                 s = k_flat[visible, h // group] @ q[row, h].double() * scale
+                if softcap is not None:
+                    s = torch.tanh(s / softcap) * softcap
                 lse[row, h] = torch.logsumexp(s, 0)
                 out[row, h] = torch.softmax(s, 0) @ v_flat[visible, h // group]
     return out.to(q.dtype), lse.float()

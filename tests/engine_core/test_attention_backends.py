@@ -71,7 +71,7 @@ def test_varlen_metadata_worked_example():
     assert g.cu_seqlens_q.tolist() == [0, 2, 3] and g.cu_seqlens_k.tolist() == [0, 5, 10]
     assert g.block_table.tolist() == [[1, 0], [2, 9]] and g.block_table.dtype == torch.int32
     assert (g.max_seqlen_q, g.max_seqlen_k, g.causal) == (2, 5, True) and g.token_index.tolist() == [0, 1, 2]
-    p = meta.tree_prefix  # the tree's nodes against its 2 committed tokens only, not causal
+    (p,) = meta.tree_prefixes  # the tree's nodes against its 2 committed tokens only, not causal
     assert p.cu_seqlens_q.tolist() == [0, 3] and p.cu_seqlens_k.tolist() == [0, 2] and not p.causal
     assert p.block_table.tolist() == [[5]] and meta.tree.valid_tokens.tolist() == [3, 4, 5]
     assert meta.slot_mapping.tolist() == [7, 0, 36, 22, 23, 24]
@@ -139,9 +139,11 @@ def fake_flash_attn_module(calls):
         assert k.shape[1] % 256 == 0, "Paged KV cache block size must be divisible by 256"
         assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == block_table.dtype == torch.int32
         assert block_table.shape[1] * k.shape[1] >= max_seqlen_k and return_attn_probs
+        assert window_size[1] in (-1, 0) and (window_size[0] >= 0) == (window_size[1] == 0)
         calls.append(causal)
-        g = VarlenGroup(None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal)
-        out, lse = reference_kernel(q, k, v, g, softmax_scale)
+        g = VarlenGroup(None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
+                        window_size[0])
+        out, lse = reference_kernel(q, k, v, g, softmax_scale, softcap or None)
         return out, lse.transpose(0, 1).contiguous(), None
 
     return types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func)
@@ -200,3 +202,43 @@ def test_cpu_backend_matches_the_dense_reference(head_dim, heads, kernel_build):
 def test_cases_cover_every_path():
     kinds = {("tree" if p else "chain", c > 0, m > 64) for c, m, p in CASES}
     assert {("tree", False, False), ("tree", True, True), ("chain", False, True), ("chain", True, False)} <= kinds
+
+
+# Sliding windows (Mistral, Gemma), a query scale (Gemma's query_pre_attn_scalar) and soft-capped
+# scores (Gemma 2) in every backend, against the dense reference. A window of 5 binds in most
+# cases: long prefills, chains, decodes, and trees whose nodes see 5 - depth committed keys.
+WINDOWED = dict(window=5, scale=0.2, softcap=3.0)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["no-cap", "softcap"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "torch_varlen", "flash-path"])
+def test_every_backend_attends_within_the_window(backend, softcap, monkeypatch):
+    if backend == "cpu" and cpu_kernels.load() is None:
+        pytest.skip("no AVX2/FMA CPU or no C compiler")
+    kw = dict(WINDOWED, softcap=softcap)
+    p = make_problem(head_dim=64 if backend == "cpu" else 8, num_heads=4, num_kv_heads=2, block_size=4, **kw)
+    builders = {"torch": TORCH.build_metadata, "cpu": CPU.build_metadata, "torch_varlen": TORCH_VARLEN.build_metadata,
+                "flash-path": lambda specs, bs: build_varlen_metadata(specs, bs, "cpu", reference_kernel)}
+    meta = builders[backend](p.specs, 4) if backend == "flash-path" else builders[backend](p.specs, 4, "cpu")
+    out = paged_attention(p.q, p.k, p.v, fresh(p), meta, window=5, scale=0.2, softcap=softcap)
+    torch.testing.assert_close(out.double(), p.reference, atol=1e-5, rtol=1e-5)
+    assert 5 in meta.windowed  # built once for the step, kept for the next layer of that window
+    unwindowed = paged_attention(p.q, p.k, p.v, fresh(p), meta, scale=0.2, softcap=softcap)
+    assert not torch.allclose(unwindowed.double(), p.reference, atol=1e-2)  # power: the window matters here
+
+
+def test_a_window_that_binds_nowhere_reuses_the_step_metadata():
+    p = make_problem(cases=[(2, 3, None), (0, 4, (-1, 0, 1, 1))])  # positions up to 4
+    meta = TORCH.build_metadata(p.specs, 4)
+    assert meta.for_window(5) is meta and meta.for_window(4) is not meta
+
+
+def test_flash_backend_passes_the_window_and_softcap_through_a_stand_in(monkeypatch):
+    calls = []
+    monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn_module(calls))
+    p = make_problem(block_size=256, **WINDOWED)
+    meta = FLASH_ATTN.build_metadata(p.specs, 256, "cpu")
+    out = paged_attention(p.q, p.k, p.v, fresh(p), meta, **WINDOWED)
+    torch.testing.assert_close(out.double(), p.reference, atol=1e-5, rtol=1e-5)
+    # chains causal; then the trees' nodes over their context, one call per depth within the window
+    assert calls[0] is True and calls[1:] and not any(calls[1:])
