@@ -22,9 +22,8 @@ from engine import gguf_file
 from engine.layers import quant
 from engine.layers.linear import PackedLinear, VocabParallelEmbedding
 from engine.models.llama import LlamaForCausalLM
+from engine.models.registry import arch_of
 from engine.parallel import SINGLE, TPGroup
-
-SUPPORTED = {"llama", "mistral", "qwen3"}
 
 
 def load_config(path: Path):
@@ -73,10 +72,9 @@ def load_model(
     if quantization in quant.QUANTIZE_TO and path.suffix == ".gguf":
         raise ValueError(f"--quantization {quantization} quantizes float checkpoints; a GGUF file keeps its own formats")
     config = load_config(path)
-    if config.model_type not in SUPPORTED:
-        raise ValueError(f"model type {config.model_type!r} is not supported (supported: {sorted(SUPPORTED)})")
+    arch = arch_of(config)  # ValueError for a family we do not serve, naming the ones we do
     with torch.device("meta"):  # no memory, no initialization: the checkpoint fills the weights
-        model = LlamaForCausalLM(config, tp, max_positions)
+        model = LlamaForCausalLM(config, tp, max_positions, arch)
     quantized = keeps_quantized(quantization, dtype, device)
     gguf_blocks = quantized and path.suffix == ".gguf"
     materialize(model, dtype, device, skip=_block_weights(model) if gguf_blocks else ())
@@ -90,7 +88,7 @@ def load_model(
 def weight_bytes(config, dtype: torch.dtype) -> int:
     """Bytes of the model of ``config`` in ``dtype`` (built on meta, so nothing is allocated)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, arch=arch_of(config))
     return sum(p.numel() * (dtype.itemsize if p.is_floating_point() else p.element_size()) for p in model.parameters())
 
 

@@ -115,10 +115,11 @@ def make_engine(request):
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    """``tiny_model(vocab_size=512, seed=0, **config overrides)``: a 2-layer Llama
-    with seeded random weights (hidden 64, 4 heads, 2 KV heads)."""
+    """``tiny_model(vocab_size=512, seed=0, arch=None, **config overrides)``: a 2-layer Llama
+    with seeded random weights (hidden 64, 4 heads, 2 KV heads); ``arch``: a function of
+    the config giving another family's ``engine.models.arch.Arch``."""
 
-    def make(vocab_size: int = 512, seed: int = 0, **overrides) -> LlamaForCausalLM:
+    def make(vocab_size: int = 512, seed: int = 0, arch=None, **overrides) -> LlamaForCausalLM:
         kw = dict(
             vocab_size=vocab_size,
             hidden_size=64,
@@ -135,13 +136,15 @@ def tiny_model():
         )
         kw.update(overrides)
         config = LlamaConfig(**kw)
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, arch=arch(config) if arch else None)
         gen = torch.Generator().manual_seed(seed)
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.data.fill_(1.0)
             elif "embed" in name or "lm_head" in name:  # lm_head std 1: logits of order ten, far from ties
                 p.data.normal_(0.0, 1.0, generator=gen)
+            elif p.dim() == 1:  # biases
+                p.data.normal_(0.0, 0.1, generator=gen)
             else:  # std 1 / sqrt(fan_in) keeps activations of order one
                 p.data.normal_(0.0, p.shape[1] ** -0.5, generator=gen)
         return model.eval()

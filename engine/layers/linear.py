@@ -7,7 +7,9 @@ in ``forward``. At tp size 1 both are a plain matmul.
 
 Merged layers (QKV, gate+up) hold several logical matrices stacked along the
 output dimension; ``load(shard_id, full_weight)`` copies this rank's slice of
-one of them into place.
+one of them into place (``load_fused`` splits a checkpoint's own merged matrix,
+Phi-3's ``qkv_proj``). A bias (Qwen2's q, k and v) is split with its rows; a
+row-parallel layer's bias is added once, after the all-reduce.
 
 On the CPU in float32, ``prepack()`` (called once after loading) lays each weight out
 for ``cpu_kernels.matmul``, our C kernel, which then takes every input, one row or a
@@ -49,6 +51,7 @@ class PackedLinear(nn.Module):
     or kept in GGUF blocks (``qweight``; ``weight`` then stays a meta tensor: shape only)."""
 
     weight: nn.Parameter
+    bias: nn.Parameter | None  # [out] (this rank's rows of a column-parallel layer), or None
     kernel: cpu_kernels.KernelWeight | None = None  # the weight in cpu_kernels.matmul's panels
     packed: torch.Tensor | None = None  # ... or, without the kernels, in oneDNN's layout
     qweight: quant.LinearArgs | None = None  # ... or in GGUF blocks, for quant.linear
@@ -56,6 +59,7 @@ class PackedLinear(nn.Module):
 
     def __init__(self):
         super().__init__()
+        self.bias = None  # a subclass may make it a parameter
         self.quant_rows = quant.QuantRows()  # rows loaded in GGUF blocks (load_rows)
 
     def load_rows(self, first: int, rows) -> None:
@@ -79,6 +83,11 @@ class PackedLinear(nn.Module):
             self.kernel = cpu_kernels.kernel_weight(self.weight.data)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, PACK_BATCH_HINT)
+
+    def biased(self, y: torch.Tensor) -> torch.Tensor:
+        """y [T, out] plus the bias, where the layer has one (added after the product, whatever
+        computed it, so that every kernel path gives the same sums)."""
+        return y if self.bias is None else y + self.bias
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
@@ -120,26 +129,52 @@ def calibrate_min_rows(layers: list[PackedLinear], repeats: int = 5) -> int:
 class ColumnParallelLinear(PackedLinear):
     """Output features split across ranks. ``out_sizes``: the full row count of each
     stacked logical matrix, split evenly; or ``parts``: this rank's ``(start, size)``
-    rows of each (uneven splits, e.g. attention heads)."""
+    rows of each (uneven splits, e.g. attention heads); ``full_sizes``: each logical
+    matrix's full row count (needed by ``load_fused`` with ``parts``)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int] | None, tp: TPGroup = SINGLE, parts=None):
+    def __init__(self, in_features: int, out_sizes: list[int] | None, tp: TPGroup = SINGLE, parts=None,
+                 bias: bool = False, full_sizes: list[int] | None = None):
         super().__init__()
         self.tp = tp
         if parts is None:
             parts = [(tp.rank * s, s) for s in (tp.shard(n, "output features") for n in out_sizes)]
         self.parts = list(parts)
         self.out_sizes = [size for _, size in self.parts]
+        self.full_sizes = full_sizes or out_sizes
         self.weight = nn.Parameter(torch.empty(sum(self.out_sizes), in_features), requires_grad=False)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(sum(self.out_sizes)), requires_grad=False)
 
-    def load(self, shard_id: int, full) -> None:
-        """Copy this rank's rows of logical matrix ``shard_id``. ``full`` [out_i, in]: a
-        tensor or a lazy safetensors slice (only the rows taken are read)."""
+    def load(self, shard_id: int, full, param: str = "weight") -> None:
+        """Copy this rank's rows of logical matrix ``shard_id`` (or of its bias). ``full``
+        [out_i, in] ([out_i]): a tensor or a lazy safetensors slice (only the rows taken are read)."""
         start, size = self.parts[shard_id]
         offset = sum(self.out_sizes[:shard_id])
-        self.load_rows(offset, full[start : start + size])
+        if param == "bias":
+            self.bias.data[offset : offset + size].copy_(full[start : start + size])
+        else:
+            self.load_rows(offset, full[start : start + size])
+
+    def load_fused(self, full, param: str = "weight") -> None:
+        """Copy this rank's rows of every logical matrix from ``full``, the checkpoint's own
+        stack of them [sum(full_sizes), in] (Phi-3's ``qkv_proj`` and ``gate_up_proj``)."""
+        offset = 0
+        for shard_id, rows in enumerate(self.full_sizes):
+            ColumnParallelLinear.load(self, shard_id, RowsFrom(full, offset), param)  # ids 0, 1, ..
+            offset += rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x)
+        return self.biased(self.matmul(x))
+
+
+class RowsFrom:
+    """Rows ``offset ..`` of a tensor or lazy safetensors slice, indexed by row slices."""
+
+    def __init__(self, full, offset: int):
+        self.full, self.offset = full, offset
+
+    def __getitem__(self, rows: slice):
+        return self.full[rows.start + self.offset : rows.stop + self.offset]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -149,35 +184,61 @@ class QKVParallelLinear(ColumnParallelLinear):
     so a model whose KV heads do not divide by the tensor-parallel size still
     splits: 3 KV heads over 2 ranks -> 2 and 1 (SmolLM2: 6 and 3 query heads)."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: TPGroup = SINGLE):
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: TPGroup = SINGLE,
+                 bias: bool = False):
         kv_start, kv_count = tp.split(num_kv_heads, "num_key_value_heads")
         group = num_heads // num_kv_heads  # query heads per KV head
         q = (kv_start * group * head_dim, kv_count * group * head_dim)
         kv = (kv_start * head_dim, kv_count * head_dim)
-        super().__init__(hidden, None, tp, parts=[q, kv, kv])
+        full = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        super().__init__(hidden, None, tp, parts=[q, kv, kv], bias=bias, full_sizes=full)
 
-    def load(self, shard_id, full) -> None:
-        super().load("qkv".index(shard_id), full)
+    def load(self, shard_id, full, param: str = "weight") -> None:
+        super().load("qkv".index(shard_id), full, param)
 
 
 class RowParallelLinear(PackedLinear):
     """Input features split across ranks (``part``: this rank's ``(start, size)``;
-    default an even split); the partial outputs are summed in ``forward``."""
+    default an even split); the partial outputs are summed in ``forward``, or, with
+    ``reduce=False``, by the caller (a mixture of experts sums all its experts at once;
+    it adds the bias then)."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup = SINGLE, part=None):
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup = SINGLE, part=None, bias: bool = False,
+                 reduce: bool = True):
         super().__init__()
-        self.tp = tp
+        self.tp, self.reduce = tp, reduce
         if part is None:
             size = tp.shard(in_features, "input features")
             part = (tp.rank * size, size)
         self.in_start, self.in_shard = part
         self.weight = nn.Parameter(torch.empty(out_features, self.in_shard), requires_grad=False)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False)
 
-    def load(self, shard_id, full) -> None:
-        self.load_rows(0, full[:, self.in_start : self.in_start + self.in_shard])
+    def load(self, shard_id, full, param: str = "weight") -> None:
+        if param == "bias":
+            self.bias.data.copy_(full[:])
+        else:
+            self.load_rows(0, full[:, self.in_start : self.in_start + self.in_shard])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.matmul(x))
+        if not self.reduce:
+            return self.matmul(x)
+        return self.biased(self.tp.all_reduce(self.matmul(x)))
+
+
+class ReplicatedLinear(PackedLinear):
+    """The whole weight [out, in] on every rank (a router: each rank routes every token alike)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+    def load(self, shard_id, full, param: str = "weight") -> None:
+        self.load_rows(0, full[:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -191,7 +252,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden), requires_grad=False)
         self.quant_rows = quant.QuantRows()  # the shard in GGUF blocks (``weight`` then stays on meta)
 
-    def load(self, shard_id, full) -> None:
+    def load(self, shard_id, full, param: str = "weight") -> None:
         self.weight = quant.load_rows(self.weight, self.quant_rows, 0, full[self.start : self.start + self.shard_size])
 
     def tie(self, head: "ParallelLMHead") -> None:

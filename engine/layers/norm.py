@@ -7,16 +7,25 @@ from engine.layers import cpu_kernels
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)``, computed in float32: one C kernel on an
-    AVX2 CPU outside autograd (``cpu_kernels.rms_norm``), else torch's fused op."""
+    AVX2 CPU outside autograd (``cpu_kernels.rms_norm``), else torch's fused op.
 
-    def __init__(self, hidden: int, eps: float):
+    ``offset``: the checkpoint stores ``weight - offset`` (Gemma's norms multiply by
+    ``1 + w``); the offset is added once, at load."""
+
+    def __init__(self, hidden: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
 
-    def load(self, shard_id, full) -> None:
+    def load(self, shard_id, full, param: str = "weight") -> None:
         """Replicated on every rank; ``full``: a tensor or a lazy safetensors slice."""
         self.weight.data.copy_(full[:])
+        if self.offset:
+            self.weight.data += self.offset
+
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, n, D] -> each of the n head vectors normed (the weight is [D]; Qwen3's q/k norms)."""
+        return self(x.reshape(-1, x.shape[-1])).view(x.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:

@@ -1,4 +1,9 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2/3, SmolLM) over the paged KV cache.
+"""The shared decoder of every family (``engine.models.registry``) over the paged KV cache.
+
+Llama's layout (pre-norm attention with rope and grouped KV heads, a gated MLP)
+with what the other families change, read from their ``Arch``: biases, q/k norms,
+sliding windows and rope per layer, Gemma's norms, scales and soft caps, and
+mixture-of-experts MLPs (``engine.models.moe``).
 
 The model sees one flat batch per step: ``num_tokens`` tokens from any number of
 requests (prefill chunks, decodes, draft chains), each with its own position;
@@ -23,85 +28,129 @@ from engine.layers.linear import (
 )
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.models.arch import Arch, head_dim_of, llama_arch
+from engine.models.moe import SparseMoE
 from engine.parallel import SINGLE, TPGroup
 
-
-
-def head_dim_of(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+__all__ = ["LlamaForCausalLM", "head_dim_of"]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, tp: TPGroup):
+    def __init__(self, arch: Arch, layer_idx: int, tp: TPGroup):
         super().__init__()
         self.layer_idx = layer_idx
-        self.head_dim = head_dim_of(config)
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, tp
-        )
+        self.head_dim = arch.head_dim
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, self.head_dim, arch.num_heads, arch.num_kv_heads, tp,
+                                          bias=arch.qkv_bias)
         q_part, kv_part, _ = self.qkv_proj.parts  # this rank's heads: (first row, rows)
         self.q_size, self.kv_size = q_part[1], kv_part[1]
         self.num_heads, self.num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, tp, q_part)
-        self.qk_norm = getattr(config, "model_type", "") == "qwen3"
-        if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        if getattr(config, "attention_bias", False):
-            raise NotImplementedError("attention biases (Qwen2) are not supported yet")
+        self.o_proj = RowParallelLinear(arch.num_heads * self.head_dim, arch.hidden_size, tp, q_part, bias=arch.o_bias)
+        self.qk_norm = arch.qk_norm
+        if self.qk_norm == "head":
+            self.q_norm = RMSNorm(self.head_dim, arch.eps, arch.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, arch.eps, arch.norm_offset)
+        elif self.qk_norm == "full":
+            self.q_norm = ShardedRMSNorm(q_part, arch.num_heads * self.head_dim, arch.eps, tp)
+            self.k_norm = ShardedRMSNorm(kv_part, arch.num_kv_heads * self.head_dim, arch.eps, tp)
+        self.window, self.scale, self.softcap = arch.windows[layer_idx], arch.attn_scale, arch.attn_softcap
+        self.rope_kind = arch.rope_kinds[layer_idx]
 
-    def forward(self, rope, hidden, meta: AttentionMetadata, kv_cache):
-        """hidden [T, hidden] -> [T, hidden]."""
+    def forward(self, ropes: dict, hidden, meta: AttentionMetadata, kv_cache):
+        """hidden [T, hidden] -> [T, hidden]; ``ropes``: rope kind -> (cos, sin) of the step."""
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 * KVH) * D]
-        qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = qkv[:, : self.q_size + self.kv_size]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
-        qk = apply_rotary(qk, *rope)  # queries and keys rotated in one go
+        if self.qk_norm == "full":  # over all of this token's query (key) features at once
+            qk = torch.cat([self.q_norm(qk[:, : self.q_size]), self.k_norm(qk[:, self.q_size :])], dim=1)
+        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            qk = torch.cat([self.q_norm.heads(qk[:, : self.num_heads]), self.k_norm.heads(qk[:, self.num_heads :])], 1)
+        qk = apply_rotary(qk, *ropes[self.rope_kind])  # queries and keys rotated in one go
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = paged_attention(q, k, v, kv_cache.layer(self.layer_idx), meta)  # [T, H, D]
+        out = paged_attention(q, k, v, kv_cache.layer(self.layer_idx), meta, window=self.window, scale=self.scale,
+                              softcap=self.softcap)  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config, tp: TPGroup):
+class ShardedRMSNorm(nn.Module):
+    """RMS norm over features split across ranks (OLMoE's q and k norms span every head):
+    the sum of squares is all-reduced. ``part``: this rank's ``(start, size)`` of ``full``."""
+
+    def __init__(self, part: tuple[int, int], full: int, eps: float, tp: TPGroup):
         super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported")
-        part = tp.split(config.intermediate_size, "intermediate_size")  # this rank's (first unit, units)
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, None, tp, parts=[part, part])
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp, part)
+        self.start, self.full, self.eps, self.tp = part[0], full, eps, tp
+        self.weight = nn.Parameter(torch.ones(part[1]), requires_grad=False)
+
+    def load(self, shard_id, full, param: str = "weight") -> None:
+        self.weight.data.copy_(full[self.start : self.start + self.weight.shape[0]])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, part] -> x / rms over the full features * weight, in x's dtype."""
+        squares = self.tp.all_reduce(x.float().pow(2).sum(-1, keepdim=True))  # [T, 1]
+        return self.weight * (x.float() * torch.rsqrt(squares / self.full + self.eps)).to(x.dtype)
+
+
+class LlamaMLP(nn.Module):
+    """The gated MLP: down(act(gate(x)) * up(x)). ``reduce=False`` leaves the tensor-parallel
+    sum to the caller (an expert of ``SparseMoE``)."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup, activation: str = "silu", bias: bool = False,
+                 reduce: bool = True):
+        super().__init__()
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"MLP activation {activation!r} is not supported (silu, gelu_tanh)")
+        part = tp.split(intermediate, "intermediate_size")  # this rank's (first unit, units)
+        self.activation = activation
+        self.gate_up_proj = ColumnParallelLinear(hidden, None, tp, parts=[part, part], bias=bias,
+                                                 full_sizes=[intermediate, intermediate])
+        self.down_proj = RowParallelLinear(intermediate, hidden, tp, part, bias=bias, reduce=reduce)
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        if cpu_kernels.usable(gate_up):
+        if self.activation == "silu" and cpu_kernels.usable(gate_up):
             return self.down_proj(cpu_kernels.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down_proj(act * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, tp: TPGroup):
-        super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, tp)
-        self.mlp = LlamaMLP(config, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+    """Pre-norm attention and MLP; with ``sandwich_norms`` (Gemma 2/3) their outputs are
+    normed too: ``post_attention_layernorm`` then norms the attention's output and
+    ``pre_feedforward_layernorm`` the MLP's input (Hugging Face's names)."""
 
-    def forward(self, rope, hidden, meta, kv_cache):
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), meta, kv_cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def __init__(self, arch: Arch, layer_idx: int, tp: TPGroup):
+        super().__init__()
+        self.self_attn = LlamaAttention(arch, layer_idx, tp)
+        if arch.moe_layers[layer_idx]:
+            self.mlp = SparseMoE(arch, tp)
+        else:
+            self.mlp = LlamaMLP(arch.hidden_size, arch.intermediate_size, tp, arch.activation, arch.mlp_bias)
+        norm = lambda: RMSNorm(arch.hidden_size, arch.eps, arch.norm_offset)  # noqa: E731
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.sandwich = arch.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+
+    def forward(self, ropes, hidden, meta, kv_cache):
+        attn = self.self_attn(ropes, self.input_layernorm(hidden), meta, kv_cache)
+        if not self.sandwich:
+            hidden = hidden + attn
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.post_attention_layernorm(attn)
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
 
     def fused_args(self) -> tuple | None:
         """This layer's ``cpu_kernels.layer_args`` (the whole layer in one C call), or None
-        where it cannot run that way: no kernels, not float32 on the CPU, q/k norms, tensor
-        parallel (its all-reduces sit between the kernels), or matrices some in GGUF blocks and
-        some not. Call after ``prepack``."""
+        where it cannot run that way: no kernels, not float32 on the CPU, not Llama's layer
+        shape (``Arch.fusable``), tensor parallel (its all-reduces sit between the kernels), or
+        matrices some in GGUF blocks and some not. Call after ``prepack``."""
         attn, mlp = self.self_attn, self.mlp
         w = attn.qkv_proj.weight
         norms = (self.input_layernorm, self.post_attention_layernorm)
         if (cpu_kernels.load() is None or w.dtype != torch.float32 or norms[0].weight.device.type != "cpu"
-                or attn.qk_norm or attn.o_proj.tp.size > 1 or norms[0].eps != norms[1].eps):
+                or not isinstance(mlp, LlamaMLP) or attn.o_proj.tp.size > 1 or norms[0].eps != norms[1].eps):
             return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         matrices, matmul = tuple(m.kernel for m in linears), None
@@ -109,33 +158,43 @@ class LlamaDecoderLayer(nn.Module):
             matrices, matmul = tuple(m.qweight.handle for m in linears), quant.layer_matmul()
         if any(m is None for m in matrices):  # not laid out for the kernel (not float32 on the CPU)
             return None
+        bias = attn.qkv_proj.bias
+        qk_norms = (attn.q_norm.weight.data, attn.k_norm.weight.data) if attn.qk_norm == "head" else None
         return cpu_kernels.layer_args(w.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                       mlp.down_proj.weight.shape[1], norms[0].eps, (norms[0].weight.data,
-                                      norms[1].weight.data), matrices, matmul=matmul)
+                                      norms[1].weight.data), matrices, None if bias is None else bias.data, qk_norms,
+                                      matmul=matmul)
 
 
 class LlamaForCausalLM(nn.Module):
     """``forward`` gives final hidden states; ``compute_logits`` the vocab logits.
 
     ``num_layers`` < config.num_hidden_layers builds only the first layers (the
-    self-drafting early-exit model shares them with the full target).
+    self-drafting early-exit model shares them with the full target). ``arch``: the
+    family's (``engine.models.registry``); default Llama's of ``config``.
     """
 
-    def __init__(self, config, tp: TPGroup = SINGLE, max_positions: int | None = None):
+    def __init__(self, config, tp: TPGroup = SINGLE, max_positions: int | None = None, arch: Arch | None = None):
         super().__init__()
         self.config = config
+        self.arch = arch = arch or llama_arch(config)
         self.min_rows = 1  # oneDNN matmul inputs of fewer rows are padded (set by prepack)
         self.fused: list[tuple] | None = None  # per layer, cpu_kernels.layer_args (set by prepack)
         max_positions = max_positions or config.max_position_embeddings
-        self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
-        if getattr(config, "tie_word_embeddings", False):
+        self.rotaries = nn.ModuleDict({
+            kind: RotaryEmbedding(config, arch.head_dim, max_positions, kind) for kind in dict.fromkeys(arch.rope_kinds)
+        })
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, tp) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.eps, arch.norm_offset)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
+        if arch.tie_word_embeddings:
             self.embed_tokens.tie(self.lm_head)
+
+    @property
+    def rotary(self) -> RotaryEmbedding:
+        """The first layer's rope (its table's length is the model's largest position)."""
+        return self.rotaries[self.arch.rope_kinds[0]]
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache, num_layers=None, capture=()):
         """input_ids [T], positions [T] -> final-normed hidden states [T, hidden].
@@ -145,19 +204,20 @@ class LlamaForCausalLM(nn.Module):
         concatenated in that order: ``(hidden [T, hidden], features [T, len(capture) * hidden])``.
         """
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary(positions, hidden.dtype)
-        fused = self._fused_inputs(hidden, rope, meta)  # kept alive through the loop
-        step = cpu_kernels.step_args(*fused) if fused else None
+        if self.arch.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.arch.embed_scale, dtype=hidden.dtype, device=hidden.device)
+        ropes = {kind: rotary(positions, hidden.dtype) for kind, rotary in self.rotaries.items()}
+        fused = self._fused_steps(hidden, ropes, meta)  # (tensors kept alive through the loop, per-layer steps)
         taken = {}
         for i, layer in enumerate(self.layers):  # (slicing a ModuleList builds a new one: ~0.15 ms a step)
             if i == num_layers:
                 break
             if i in capture:
-                taken[i] = hidden.clone() if step else hidden  # a fused layer writes in place
-            if step:
-                cpu_kernels.decoder_layer(hidden, self.fused[i], *kv_cache.layer(i), step)
+                taken[i] = hidden.clone() if fused else hidden  # a fused layer writes in place
+            if fused:
+                cpu_kernels.decoder_layer(hidden, self.fused[i], *kv_cache.layer(i), fused[1][i])
             else:
-                hidden = layer(rope, hidden, meta, kv_cache)
+                hidden = layer(ropes, hidden, meta, kv_cache)
         hidden = self.norm(hidden)
         if not capture:
             return hidden
@@ -169,21 +229,21 @@ class LlamaForCausalLM(nn.Module):
         it, for oneDNN, timing whether short inputs run faster padded: ``calibrate_min_rows``;
         or ``quantize`` them: GGUF types of the layers and of the head), and take the layers'
         addresses for whole-layer kernel calls (``fused``)."""
-        if getattr(self.config, "tie_word_embeddings", False):
+        if self.arch.tie_word_embeddings:
             self.embed_tokens.tie(self.lm_head)
         linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
         for module in linears:
             module.prepack(quantize and quantize[module is self.lm_head])
         self.embed_tokens.pack_quantized()
         self.min_rows = calibrate_min_rows(linears)
-        fused = [layer.fused_args() for layer in self.layers]
+        fused = [layer.fused_args() for layer in self.layers] if self.arch.fusable else []
         self.fused = fused if fused and all(fused) else None
 
-    def _fused_inputs(self, hidden, rope, meta) -> tuple | None:
-        """``cpu_kernels.step_args``' tensors when this step runs every layer in one C call
-        each: every token attended through listed KV slots, float32 on the CPU outside
-        autograd. Those calls make the same kernel calls as the layer modules, so the
-        results are the same."""
+    def _fused_steps(self, hidden, ropes: dict, meta) -> tuple[list, list[tuple]] | None:
+        """Each layer's ``cpu_kernels.step_args`` (its rope and window's) when this step runs
+        every layer in one C call each, with the tensors they point into: every token
+        attended through listed KV slots, float32 on the CPU outside autograd. Those calls
+        make the same kernel calls as the layer modules, so the results are the same."""
         t = hidden.shape[0]
         if (self.fused is None or not isinstance(meta, AttentionMetadata) or not meta.lists_all(t)
                 or not cpu_kernels.usable(hidden)):
@@ -191,12 +251,19 @@ class LlamaForCausalLM(nn.Module):
         attn = self.layers[0].self_attn
         size = cpu_kernels.scratch_size(t, hidden.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                         self.layers[0].mlp.down_proj.weight.shape[1])
-        cos, sin = (r.contiguous() for r in rope)
-        return cos, sin, *meta.listed_args(), torch.empty(size)
+        kept, steps = [torch.empty(size)], {}
+        for kind, window in dict.fromkeys(zip(self.arch.rope_kinds, self.arch.windows)):
+            cos, sin = (r.contiguous() for r in ropes[kind])
+            listed = meta.for_window(window).listed_args()
+            kept += [cos, sin, *listed]
+            steps[kind, window] = cpu_kernels.step_args(cos, sin, *listed, kept[0])
+        return kept, [steps[kw] for kw in zip(self.arch.rope_kinds, self.arch.windows)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] -> logits [S, vocab] in float32."""
-        return self.lm_head(hidden).float()
+        """hidden [S, hidden] -> logits [S, vocab] in float32 (soft-capped where the family caps them)."""
+        logits = self.lm_head(hidden).float()
+        cap = self.arch.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     # Hugging Face parameter name fragment -> (our module suffix, shard id).
     STACKED = {
@@ -210,18 +277,29 @@ class LlamaForCausalLM(nn.Module):
     def load_weight(self, hf_name: str, tensor) -> bool:
         """Copy this rank's part of one Hugging Face checkpoint tensor into place; False
         if unused. ``tensor``: a tensor or a lazy safetensors slice (``loader``)."""
-        name = hf_name.removeprefix("model.")
+        name = hf_name
+        for old, new in self.arch.weight_renames:
+            name = name.replace(old, new)
+        name = name.removeprefix("model.")
         if "rotary_emb" in name:
             return False
-        if name == "lm_head.weight" and getattr(self.config, "tie_word_embeddings", False):
+        if name == "lm_head.weight" and self.arch.tie_word_embeddings:
             return False
+        if ".experts." in name:  # the MoE module takes its experts' tensors by expert id
+            module, _, rest = name.partition(".experts.")
+            self.get_submodule(module).load_expert(rest, tensor)
+            return True
         shard_id = None
         for hf_part, (ours, sid) in self.STACKED.items():
             if hf_part in name:
                 name, shard_id = name.replace(hf_part, ours), sid
                 break
         module_name, _, param = name.rpartition(".")
-        if param != "weight":
+        if param not in ("weight", "bias"):
             raise ValueError(f"unexpected parameter {hf_name}")
-        self.get_submodule(module_name).load(shard_id, tensor)  # copy_ converts the dtype
+        module = self.get_submodule(module_name)
+        if shard_id is None and isinstance(module, ColumnParallelLinear) and len(module.parts) > 1:
+            module.load_fused(tensor, param)  # the checkpoint's own stack (Phi-3's qkv_proj, gate_up_proj)
+        else:
+            module.load(shard_id, tensor, param)  # copy_ converts the dtype
         return True

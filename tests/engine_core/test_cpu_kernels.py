@@ -8,6 +8,7 @@ import torch
 
 from engine.layers import cpu_kernels
 from engine.layers.linear import ColumnParallelLinear
+from engine.models.arch import llama_arch
 from tests.engine_core.conftest import AVX512_BUILD
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2/FMA CPU or no C compiler")
@@ -165,16 +166,26 @@ def test_paged_attention_of_a_chain_gives_each_row_its_bits_alone(kernel_build, 
         torch.testing.assert_close(out[i], torch.einsum("hl,lhd->hd", weights, values), rtol=1e-5, atol=1e-5)
 
 
+FUSED_FAMILIES = {  # the families whose layers run as one C call, as the shared decoder builds them
+    "llama": None,
+    "qwen2-biases": lambda c: llama_arch(c, qkv_bias=True, o_bias=False),
+    "qwen3-qk-norm": lambda c: llama_arch(c, qk_norm="head"),
+    "mistral-window": lambda c: llama_arch(c, windows=(4, None)),  # one sliding layer of 4 positions, one global
+}
+
+
 @needs_kernel
+@pytest.mark.parametrize("family", list(FUSED_FAMILIES))
 @pytest.mark.parametrize("heads, head_dim", [((4, 2), 64), ((3, 3), 48)], ids=["d64-gqa2", "d48-mha"])
-def test_fused_layers_give_the_bits_of_the_layer_modules(tiny_model, kernel_build, heads, head_dim):
+def test_fused_layers_give_the_bits_of_the_layer_modules(tiny_model, kernel_build, heads, head_dim, family):
     """A decode and verification step (decodes, a chain, a tree) through one C call per
-    layer gives the same logits and KV cache bits as the layer modules' kernel calls."""
+    layer gives the same logits and KV cache bits as the layer modules' kernel calls, for
+    Llama and the families close to it (biases, q/k norms, sliding windows)."""
     from engine.attention import SeqSpec, build_attention_metadata
     from tests.engine_core.engine_helpers import scratch_cache
 
     model = tiny_model(hidden_size=heads[0] * head_dim, num_attention_heads=heads[0], num_key_value_heads=heads[1],
-                       intermediate_size=200)
+                       intermediate_size=200, arch=FUSED_FAMILIES[family])
     model.prepack()
     fused = [layer.fused_args() for layer in model.layers]
     assert all(fused)
@@ -197,8 +208,9 @@ def test_fused_layers_give_the_bits_of_the_layer_modules(tiny_model, kernel_buil
                 for dst, src in zip(cache.layer(i), kv.layer(i)):
                     dst.copy_(src)
             meta = build_attention_metadata(specs, 4, listed=True)
-            assert (model._fused_inputs(torch.empty(7, model.config.hidden_size), model.rotary(pos, torch.float32),
-                                        meta) is not None) == (layers is not None)
+            ropes = {kind: rope(pos, torch.float32) for kind, rope in model.rotaries.items()}
+            assert (model._fused_steps(torch.empty(7, model.config.hidden_size), ropes, meta) is not None) == (
+                layers is not None)
             out[name] = (model.compute_logits(model(ids, pos, meta, cache)), cache)
     assert torch.equal(out["modules"][0], out["fused"][0])
     for i in range(len(model.layers)):

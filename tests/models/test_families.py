@@ -1,0 +1,165 @@
+"""Every family against transformers' own implementation of the same tiny random checkpoint
+(float32): last-position logits within 1e-4 on three prompts (the longest past every
+sliding window), 32 greedy tokens identical to ``generate``, and greedy output identical
+with speculation on (prompt lookup, a draft model of the same family, token trees).
+Checkpoints that no family serves are refused, naming the supported ones."""
+
+import pytest
+import torch
+import transformers
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from engine.llm_engine import LLMEngine
+from engine.loader import load_model
+from engine.models.registry import supported_architectures
+from engine.sampling_params import SamplingParams
+from tests.conftest import check_no_lost_blocks
+from tests.engine_core.engine_helpers import prompt_logits
+from tests.models.families import BY_NAME, FAMILIES, WINDOW
+
+NAMES = [f.name for f in FAMILIES]
+NEW_TOKENS = 32
+
+
+def make_prompts() -> list[list[int]]:
+    """5, 20 and 40 tokens; the last two repeat themselves (prompt lookup finds drafts)."""
+    g = torch.Generator().manual_seed(7)
+    ids = lambda n: torch.randint(3, 40000, (n,), generator=g).tolist()  # noqa: E731
+    return [ids(5), ids(5) * 4, ids(10) * 4]
+
+
+PROMPTS = make_prompts()
+assert len(PROMPTS[-1]) > 3 * WINDOW
+
+
+def hf_model(path):
+    config = transformers.AutoConfig.from_pretrained(path)
+    return getattr(transformers, config.architectures[0]).from_pretrained(path, dtype=torch.float32).eval()
+
+
+def family_engine(path, speculative: SpeculativeConfig | None = None, **model) -> LLMEngine:
+    config = EngineConfig(
+        ModelConfig(model=str(path), dtype="float32", device="cpu", max_model_len=256, **model),
+        CacheConfig(block_size=16, num_blocks=96), SchedulerConfig(), speculative or SpeculativeConfig(),
+    )
+    return LLMEngine(config)
+
+
+def greedy_tokens(engine: LLMEngine, prompts=PROMPTS, max_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    while engine.has_unfinished():
+        engine.step()
+    check_no_lost_blocks(engine)
+    if engine.drafter is not None and hasattr(engine.drafter, "kv"):
+        assert engine.drafter.kv.num_free_blocks == engine.drafter.kv.pool.num_blocks
+    return [r.output_token_ids for r in reqs]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_last_position_logits_match_transformers(name, tiny_checkpoint):
+    path = tiny_checkpoint(name)
+    ref_model, ours = hf_model(path), load_model(path, torch.float32, torch.device("cpu"), max_positions=256)
+    for ids in PROMPTS:
+        with torch.inference_mode():
+            ref = ref_model(torch.tensor([ids])).logits[0, -1].float()
+        got = prompt_logits(ours, ids)[-1]
+        assert (got - ref).abs().max().item() < 1e-4, f"{name}, {len(ids)} tokens"
+        assert ref.abs().max() > 1  # not trivially small
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(tiny_checkpoint):
+    """Family name -> our engine's greedy tokens of PROMPTS, speculation off (made once)."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = greedy_tokens(family_engine(tiny_checkpoint(name)))
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_matches_transformers_generate(name, tiny_checkpoint, plain_greedy):
+    """One prompt at a time on transformers' side (no padding), all three in one batch on ours."""
+    ref_model = hf_model(tiny_checkpoint(name))
+    ref_model.generation_config.eos_token_id = None  # generate exactly NEW_TOKENS, as ignore_eos
+    for ids, ours in zip(PROMPTS, plain_greedy(name), strict=True):
+        with torch.inference_mode():
+            out = ref_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                     temperature=None, top_p=None, top_k=None, pad_token_id=0)
+        assert ours == out[0, len(ids):].tolist(), f"{name}, {len(ids)} tokens"
+
+
+SPECULATION = {
+    "ngram": lambda draft: SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False),
+    "draft_model": lambda draft: SpeculativeConfig(method="draft_model", model=str(draft), num_speculative_tokens=3,
+                                                   adaptive=False),
+    "tree": lambda draft: SpeculativeConfig(method="draft_model", model=str(draft), num_speculative_tokens=3,
+                                            tree_width=2, max_tree_nodes=6, adaptive=False),
+}
+# The default suite runs every drafter on one family of each kind; the rest are slow.
+FAST = {"mistral", "gemma3", "qwen3_moe"}
+
+
+@pytest.mark.parametrize("method", list(SPECULATION))
+@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in NAMES])
+def test_greedy_is_identical_with_speculation(name, method, tiny_checkpoint, tiny_draft, plain_greedy):
+    engine = family_engine(tiny_checkpoint(name), SPECULATION[method](tiny_draft(name)))
+    drafted, accepted = [], []
+    engine.stat_loggers.append(lambda s: s.spec and (drafted.append(s.spec.num_draft_tokens),
+                                                      accepted.append(s.spec.num_accepted_tokens)))
+    assert greedy_tokens(engine) == plain_greedy(name)
+    assert sum(drafted) > 0
+    if method != "ngram":  # a draft of the target's own first layers agrees with it at times
+        assert sum(accepted) > 0
+
+
+def test_unknown_architecture_is_refused_with_the_supported_list(tiny_checkpoint, tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "falcon"
+    shutil.copytree(tiny_checkpoint("llama3"), path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(architectures=["FalconForCausalLM"], model_type="falcon")
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as e:
+        load_model(path, torch.float32, torch.device("cpu"))
+    message = str(e.value)
+    assert "FalconForCausalLM" in message and all(a in message for a in supported_architectures())
+    assert "Gemma3ForCausalLM" in message and "MixtralForCausalLM" in message
+
+
+def test_every_family_has_a_tiny_checkpoint():
+    """The tests above cover every family the registry serves."""
+    served = set(supported_architectures())
+    assert served == {BY_NAME[n].model for n in NAMES}
+
+
+def test_phi3_long_factors_match_transformers_decoding(tmp_path):
+    """Past ``original_max_position_embeddings`` (24 here) each new position is rotated with
+    the long factors, the committed keys left as they were: transformers' forward over its
+    cache, one token at a time from a 20-token prompt to 40 tokens, gives the logits we give
+    the 40 tokens in one prefill (positions 24 on would differ if we kept the short factors)."""
+    import dataclasses
+
+    from tests.models.families import save_tiny
+
+    family = BY_NAME["phi3"]
+    rope = dict(family.overrides["rope_parameters"], original_max_position_embeddings=24)
+    family = dataclasses.replace(family, overrides=dict(family.overrides, original_max_position_embeddings=24,
+                                                        rope_parameters=rope))
+    path = save_tiny(family, tmp_path)
+    ref_model, ours = hf_model(path), load_model(path, torch.float32, torch.device("cpu"), max_positions=256)
+    ids = PROMPTS[2]  # 40 tokens
+    mine = prompt_logits(ours, ids)
+    with torch.inference_mode():
+        out = ref_model(torch.tensor([ids[:20]]), use_cache=True)
+        cache = out.past_key_values
+        for p in range(20, 40):
+            out = ref_model(torch.tensor([[ids[p]]]), past_key_values=cache, position_ids=torch.tensor([[p]]))
+            cache = out.past_key_values
+            assert (out.logits[0, -1] - mine[p]).abs().max().item() < 1e-4, f"position {p}"
