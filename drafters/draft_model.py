@@ -111,10 +111,17 @@ def round_seed(seed: int, num_tokens: int) -> int:
 
 
 class ModelDrafter(SamplingDrafter):
+    """``target_vocab``: the target's vocabulary size where the draft's differs (the same
+    tokenizer, embedding rows padded to another size, as Qwen2.5 0.5B and 7B): the draft's
+    logits are cut or padded (-inf) to it, so that q is a distribution over the target's
+    token ids, sampled from as it is; a token id past the draft's rows reaches it as id 0,
+    which only changes its guesses, never what is accepted."""
+
     def __init__(self, model, num_layers: int, num_blocks: int, block_size: int, dtype, device, cost_per_token: float,
-                 attention: AttentionBackend = TORCH):
+                 attention: AttentionBackend = TORCH, target_vocab: int | None = None):
         super().__init__(device)
         self.model, self.num_layers = model, num_layers
+        self.target_vocab = target_vocab or model.config.vocab_size
         self.block_size = block_size
         self.build_metadata = attention.build_metadata  # the target's backend (``cpu``: one C call a layer)
         cfg = model.config
@@ -157,8 +164,8 @@ class ModelDrafter(SamplingDrafter):
             self.grown[rid] = (len(tokens), g, len(g.parents))
         t = lambda a: to_device(a, self.device, torch.long)  # noqa: E731
         meta = self.build_metadata(specs, self.block_size, self.device)
-        hidden = self.model(t(ids), t(positions), meta, self.paged, num_layers=self.num_layers)  # [T, hidden]
-        return [self.model.compute_logits(hidden[t(r)]) for r in rows]
+        hidden = self._hidden(t(ids), t(positions), meta)  # [T, hidden]
+        return [self._logits(hidden[t(r)]) for r in rows]
 
     def _chains(self, slots: list[DraftSlot]) -> dict[str, Draft]:
         live = [s for s in slots if s.num_tokens > 0]
@@ -197,10 +204,23 @@ class ModelDrafter(SamplingDrafter):
             positions.extend(range(start, start + len(feed)))
         meta = self.build_metadata(specs, self.block_size, self.device)
         t = lambda a: to_device(a, self.device, torch.long)  # noqa: E731
-        hidden = self.model(t(ids), t(positions), meta, self.paged, num_layers=self.num_layers)
+        hidden = self._hidden(t(ids), t(positions), meta)
         last = np.cumsum([sp.query_len for sp in specs]) - 1
-        logits = self.model.compute_logits(hidden[t(last)])  # [n, vocab]
+        logits = self._logits(hidden[t(last)])  # [n, vocab]
         return self._sample(logits, [s.request for s in live], drafts)
+
+    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """ids, positions [T] -> the draft's hidden states [T, hidden]."""
+        ids = torch.where(ids < self.model.config.vocab_size, ids, 0)  # a target id past the draft's rows
+        return self.model(ids, positions, meta, self.paged, num_layers=self.num_layers)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> logits [n, target vocabulary]."""
+        logits = self.model.compute_logits(hidden)
+        extra = self.target_vocab - logits.shape[-1]
+        if extra < 0:
+            return logits[:, : self.target_vocab]
+        return torch.nn.functional.pad(logits, (0, extra), value=float("-inf")) if extra else logits
 
     def commit(self, request: Request) -> None:
         cached = self.cached.get(request.request_id)
@@ -243,8 +263,9 @@ class ModelDrafter(SamplingDrafter):
         self.kv.free(request_id)
 
 
-def build(spec, *, target, tokenizer, num_blocks, block_size, dtype, device, attention=TORCH, **_) -> ModelDrafter:
-    """A separate, smaller model that shares the target's tokenizer."""
+def build(spec, *, target, tokenizer, num_blocks, block_size, dtype, device, attention=TORCH,
+          target_path: str = "the target", **_) -> ModelDrafter:
+    """A separate, smaller model that shares the target's tokenizer (of any family)."""
     from engine.loader import load_model, load_tokenizer
     from engine.model_store import resolve_model
 
@@ -252,9 +273,10 @@ def build(spec, *, target, tokenizer, num_blocks, block_size, dtype, device, att
         raise ValueError('speculative method "draft_model" needs "model": a local directory or GGUF file')
     path = resolve_model(spec.model, spec.quantization)
     draft = load_model(path, dtype, device, max_positions=target.rotary.cos.shape[0], quantization=spec.quantization)
-    check_same_vocab(tokenizer, load_tokenizer(path), target.config.vocab_size, draft.config.vocab_size)
+    check_same_tokenizer(tokenizer, load_tokenizer(path), target_path, str(path))
     ratio = _param_count(draft) / _param_count(target)
-    return ModelDrafter(draft, draft.config.num_hidden_layers, num_blocks, block_size, dtype, device, ratio, attention)
+    return ModelDrafter(draft, draft.config.num_hidden_layers, num_blocks, block_size, dtype, device, ratio, attention,
+                        target.config.vocab_size)
 
 
 def memory_needs(spec, *, dtype, block_size, **_) -> DrafterMemory:
@@ -267,11 +289,18 @@ def memory_needs(spec, *, dtype, block_size, **_) -> DrafterMemory:
     return DrafterMemory(weight_bytes(cfg, dtype), kv.bytes_per_block())
 
 
-def check_same_vocab(target_tok, draft_tok, target_vocab: int, draft_vocab: int) -> None:
-    if target_vocab != draft_vocab or target_tok.get_vocab() != draft_tok.get_vocab():
+def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
+    """ValueError naming both models unless their tokenizers map the same strings to the same
+    ids (their embedding tables may differ in padding rows: ``ModelDrafter`` bridges that)."""
+    if target_tok is None or draft_tok is None:
+        return
+    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if target_vocab != draft_vocab:
+        differ = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda kv: kv[1])[:3]
         raise ValueError(
-            f"the draft model's vocabulary ({draft_vocab} entries) differs from the target's ({target_vocab}); "
-            "a draft model must share the target's tokenizer"
+            f"the draft model {draft_name} and the target {target_name} have different tokenizers "
+            f"({len(draft_vocab)} and {len(target_vocab)} tokens; first differing entries {differ}): a draft "
+            "model must share the target's tokenizer"
         )
 
 

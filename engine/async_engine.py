@@ -78,6 +78,10 @@ class AsyncEngine:
     def model_path(self) -> str:
         return self.engine.model_path
 
+    @property
+    def sampling_defaults(self) -> dict:
+        return self.engine.sampling_defaults
+
     def tokenize(self, text: str) -> list[int]:
         return self.engine.tokenize(text)
 

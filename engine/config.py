@@ -6,6 +6,13 @@ from dataclasses import dataclass, field
 import torch
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16)."""
+    from engine.layers.cpu_kernels import cpu_flags
+
+    return " avx512_bf16" in cpu_flags()
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None  # local directory or .gguf file; None = the default model
@@ -29,11 +36,21 @@ class ModelConfig:
         return choose_device(self.device).device
 
     def torch_dtype(self) -> torch.dtype:
+        """auto: bfloat16 on CUDA, float32 on the CPU (our kernels' type). On the CPU, bfloat16
+        runs only where the CPU multiplies it natively (AVX512-BF16; elsewhere oneDNN emulates
+        it several times slower than float32), float16 not at all: ValueError, at start-up."""
+        cpu = self.torch_device().type == "cpu"
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+            return torch.float32 if cpu else torch.bfloat16
         names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
         if self.dtype not in names:
             raise ValueError(f"dtype must be one of auto, {', '.join(names)}; got {self.dtype!r}")
+        if cpu and self.dtype == "float16":
+            raise ValueError("--dtype float16 needs a CUDA device; on the CPU use float32 (or bfloat16 where the "
+                             "CPU has AVX512-BF16)")
+        if cpu and self.dtype == "bfloat16" and not cpu_has_bf16():
+            raise ValueError("--dtype bfloat16 on the CPU needs AVX512-BF16, which this CPU lacks "
+                             "(no avx512_bf16 in /proc/cpuinfo): use --dtype float32 (or auto)")
         return names[self.dtype]
 
 

@@ -24,7 +24,7 @@ from engine.devices import choose_device
 from engine.distributed import TensorParallelModel, load_target
 from engine.faults import FaultHook
 from engine.gpu_memory import DrafterMemory, num_kv_blocks
-from engine.loader import load_config, load_tokenizer
+from engine.loader import SAMPLING_DEFAULTS, load_config, load_generation_config, load_tokenizer
 from engine.model_store import resolve_model
 from engine.models.llama import head_dim_of
 from engine.outputs import RequestOutput
@@ -64,8 +64,11 @@ class LLMEngine:
             model = load_target(path, config, dtype, device, max_len)  # rank 0's shard at tensor_parallel_size > 1
             tokenizer = tokenizer or load_tokenizer(path)
             self.model_path = str(path)
+            generation = load_generation_config(path)
         else:
-            self.model_path = "<in-memory>"
+            self.model_path, generation = "<in-memory>", {}
+        # Requests' default sampling, from the checkpoint's generation config (vLLM does the same).
+        self.sampling_defaults = {k: generation[k] for k in SAMPLING_DEFAULTS if generation.get(k) is not None}
         self.model, self.tokenizer = model, tokenizer
         self.tp_workers = model.workers if isinstance(model, TensorParallelModel) else None
         hf_config = model.config
@@ -92,7 +95,7 @@ class LLMEngine:
         self.drafter, self.policy = self._speculation(config, num_blocks, spec, device, dtype, drafter)
         self.runner.feature_layers = self.drafter.feature_layers if self.drafter else ()
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
-        self.eos_token_ids = eos_token_ids_of(hf_config, tokenizer)
+        self.eos_token_ids = eos_token_ids_of(hf_config, tokenizer, generation)
         self.stat_loggers: list = []  # callables taking each step's StepStats
         self.fault_hook: FaultHook | None = None
         self.step_fallbacks = 0  # 1 when the drafter failed in the current step
@@ -215,7 +218,7 @@ class LLMEngine:
         drafter = drafter or build_drafter(
             sc, target=self.model, tokenizer=self.tokenizer, num_blocks=num_blocks,
             block_size=spec.block_size, dtype=dtype, device=device, target_kv=self.paged_kv,
-            attention=self.runner.attention,
+            attention=self.runner.attention, target_path=self.model_path,
         )
         k = sc.num_speculative_tokens
         if sc.verify_cost is not None:
@@ -417,11 +420,12 @@ def _cut_to_grammar(drafts: dict, slots: list[DraftSlot]) -> dict:
     return drafts
 
 
-def eos_token_ids_of(hf_config, tokenizer) -> frozenset[int]:
-    """The tokens that end a generation: the config's ``eos_token_id`` (one or a list) and the tokenizer's."""
+def eos_token_ids_of(hf_config, tokenizer, generation_config: dict | None = None) -> frozenset[int]:
+    """The tokens that end a generation: the config's and the generation config's ``eos_token_id``
+    (one or a list each; Llama 3's instruct models end turns with a second one) and the tokenizer's."""
     ids = set()
-    eos = getattr(hf_config, "eos_token_id", None)
-    ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    for eos in (getattr(hf_config, "eos_token_id", None), (generation_config or {}).get("eos_token_id")):
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)

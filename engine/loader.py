@@ -34,6 +34,21 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(gguf_file.metadata_dir(path) if path.suffix == ".gguf" else path)
 
 
+# generation_config.json keys that set a request's default sampling (as vLLM's --generation-config auto)
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def load_generation_config(path: Path) -> dict:
+    """The checkpoint's ``generation_config.json`` as written ({} when it has none, or for a GGUF
+    file): its ``eos_token_id`` ends generations, its sampling keys are requests' defaults."""
+    file = path / "generation_config.json" if path.is_dir() else path.parent / "generation_config.json"
+    if path.suffix == ".gguf" or not file.is_file():
+        return {}
+    import json
+
+    return json.loads(file.read_text())
+
+
 def _checkpoint_tensors(path: Path, config, dequantize: bool):
     """Yields ``(hf_name, tensor)`` pairs of a checkpoint; from safetensors the
     "tensor" is a lazy slice that reads only the part indexed (``t[a:b]``, ``t[:, a:b]``),

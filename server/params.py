@@ -43,19 +43,22 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 def build_params(
     req: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
-    guided: GuidedDecoding | None = None,
+    guided: GuidedDecoding | None = None, defaults: dict | None = None,
 ) -> SamplingParams:
-    """The engine parameters of one choice; raises a 400 ``APIError`` naming the bad field."""
+    """The engine parameters of one choice; raises a 400 ``APIError`` naming the bad field.
+    ``defaults``: what an unset temperature, top_p, top_k, min_p or repetition_penalty takes
+    (the checkpoint's generation config), else OpenAI's defaults."""
+    d = defaults or {}
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=_or(req.temperature, 1.0),
-            top_p=_or(req.top_p, 1.0),
-            top_k=_or(req.top_k, 0),
-            min_p=_or(req.min_p, 0.0),
+            temperature=_or(req.temperature, d.get("temperature", 1.0)),
+            top_p=_or(req.top_p, d.get("top_p", 1.0)),
+            top_k=_or(req.top_k, d.get("top_k", 0)),
+            min_p=_or(req.min_p, d.get("min_p", 0.0)),
             presence_penalty=_or(req.presence_penalty, 0.0),
             frequency_penalty=_or(req.frequency_penalty, 0.0),
-            repetition_penalty=_or(req.repetition_penalty, 1.0),
+            repetition_penalty=_or(req.repetition_penalty, d.get("repetition_penalty", 1.0)),
             logit_bias=_logit_bias(req.logit_bias),
             seed=req.seed,
             stop=tuple([req.stop] if isinstance(req.stop, str) else req.stop or ()),

@@ -211,6 +211,11 @@ class ServingEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """Sampling settings a request leaves unset take these (the checkpoint's generation config)."""
+        return getattr(self.engine, "sampling_defaults", {})
+
     def tokenize(self, text: str) -> list[int]:
         return self.engine.tokenize(text)
 

@@ -59,7 +59,8 @@ class ChatServing:
                                   "response_format or guided_*", param="tool_choice")
             guided = tools.guided
         ids = self._prompt_ids(req.messages, tools)
-        params = build_params(req, self._max_tokens(req, len(ids)), _engine_logprobs(req), req.prompt_logprobs, guided)
+        params = build_params(req, self._max_tokens(req, len(ids)), _engine_logprobs(req), req.prompt_logprobs, guided,
+                              self.serving.sampling_defaults)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         gen = await self.serving.submit(cid, [(ids, p) for p in per_choice(params, n)])
         gen.watch_disconnect(raw.receive)

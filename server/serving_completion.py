@@ -50,7 +50,7 @@ class CompletionServing:
         max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         scored = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
         params = build_params(req, max_tokens, req.logprobs, max(scored) if scored else None,
-                              guided_decoding(req))
+                              guided_decoding(req), self.serving.sampling_defaults)
         cid = f"cmpl-{uuid.uuid4().hex}"
         gen = await self.serving.submit(cid, [(ids, p) for ids in prompts for p in per_choice(params, n)])
         gen.watch_disconnect(raw.receive)

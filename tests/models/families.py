@@ -39,24 +39,28 @@ class TinyFamily:
     template: str = "chatml"  # key of TEMPLATES
     windowed: bool = False  # some layer has a sliding window shorter than the long prompt
     moe: bool = False
+    # Tied embeddings (std 1 elsewhere) are small: each token's own embedding would dominate
+    # its final hidden state, its own logit win, and greedy decoding repeat its input.
+    embed_std: float = 1.0
 
 
 FAMILIES = [
     TinyFamily("llama3", "LlamaConfig", "LlamaForCausalLM", dict(
         tie_word_embeddings=True, rope_parameters=dict(
             rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-            original_max_position_embeddings=32)), "llama3"),
+            original_max_position_embeddings=32)), "llama3", embed_std=0.1),
     TinyFamily("mistral", "MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW), "mistral", windowed=True),
-    TinyFamily("qwen2", "Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    TinyFamily("qwen2", "Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True), embed_std=0.1),
     TinyFamily("qwen3", "Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
     TinyFamily("gemma2", "Gemma2Config", "Gemma2ForCausalLM", dict(
         head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW, attn_logit_softcapping=3.0,
-        final_logit_softcapping=8.0, hidden_activation="gelu_pytorch_tanh"), "gemma", windowed=True),
+        final_logit_softcapping=8.0, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=False),
+               "gemma", windowed=True),
     TinyFamily("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32, sliding_window=WINDOW,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}),
-               "gemma", windowed=True),
+               "gemma", windowed=True, embed_std=0.05),  # scaled by sqrt(hidden_size) = 8 in the model
     TinyFamily("phi3", "Phi3Config", "Phi3ForCausalLM", dict(
         sliding_window=WINDOW, original_max_position_embeddings=ORIGINAL_ROPE, rope_parameters=dict(
             rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=ORIGINAL_ROPE,
@@ -89,10 +93,10 @@ TEMPLATES = {  # the families' chat formats, shortened
 GENERATION_EOS = [2, 0]  # generation_config.json's eos_token_id: a list, as Llama 3's
 
 
-def randomize(model: torch.nn.Module, seed: int) -> None:
+def randomize(model: torch.nn.Module, seed: int, embed_std: float = 1.0) -> None:
     """Seeded weights far from transformers' init, so that every quirk shows in the logits:
-    norms (1 + w or w) off their init by N(0, 0.1), embedding and head std 1 (logits of order
-    ten, far from ties), biases std 0.1, other matrices std 1/sqrt(fan_in)."""
+    norms (1 + w or w) off their init by N(0, 0.1), embedding and head ``embed_std`` (1:
+    logits of order ten, far from ties), biases std 0.1, other matrices std 1/sqrt(fan_in)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -100,7 +104,7 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             if "norm" in name:
                 p.add_(0.1 * noise)
             elif "embed" in name or "lm_head" in name:
-                p.copy_(noise)
+                p.copy_(embed_std * noise)
             elif p.dim() == 1:
                 p.copy_(0.1 * noise)
             else:
@@ -111,7 +115,7 @@ def build_hf(family: TinyFamily, seed: int = 0):
     """The transformers model of ``family``, with seeded random weights, float32, eval mode."""
     config = getattr(transformers, family.config)(**{**COMMON, **family.overrides})
     model = getattr(transformers, family.model)(config)
-    randomize(model, seed)
+    randomize(model, seed, family.embed_std)
     return model.eval()
 
 

@@ -39,7 +39,7 @@ def hf_model(path):
 
 def family_engine(path, speculative: SpeculativeConfig | None = None, **model) -> LLMEngine:
     config = EngineConfig(
-        ModelConfig(model=str(path), dtype="float32", device="cpu", max_model_len=256, **model),
+        ModelConfig(**{"model": str(path), "dtype": "float32", "device": "cpu", "max_model_len": 256, **model}),
         CacheConfig(block_size=16, num_blocks=96), SchedulerConfig(), speculative or SpeculativeConfig(),
     )
     return LLMEngine(config)
@@ -112,24 +112,34 @@ def test_greedy_is_identical_with_speculation(name, method, tiny_checkpoint, tin
     engine.stat_loggers.append(lambda s: s.spec and (drafted.append(s.spec.num_draft_tokens),
                                                       accepted.append(s.spec.num_accepted_tokens)))
     assert greedy_tokens(engine) == plain_greedy(name)
-    assert sum(drafted) > 0
     if method != "ngram":  # a draft of the target's own first layers agrees with it at times
         assert sum(accepted) > 0
+    elif repeats_its_context(plain_greedy(name)):  # prompt lookup drafts only then
+        assert sum(drafted) > 0
+
+
+def repeats_its_context(outputs: list[list[int]]) -> bool:
+    """Whether some output token (but the last) already appeared before it in its sequence."""
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        seq = prompt + out
+        if any(seq[i] in seq[:i] for i in range(len(prompt), len(seq) - 1)):
+            return True
+    return False
 
 
 def test_unknown_architecture_is_refused_with_the_supported_list(tiny_checkpoint, tmp_path):
     import json
     import shutil
 
-    path = tmp_path / "falcon"
+    path = tmp_path / "unknown"
     shutil.copytree(tiny_checkpoint("llama3"), path)
     config = json.loads((path / "config.json").read_text())
-    config.update(architectures=["FalconForCausalLM"], model_type="falcon")
+    config.update(architectures=["MambaForCausalLM"])  # keyed by architectures, before model_type
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError) as e:
         load_model(path, torch.float32, torch.device("cpu"))
     message = str(e.value)
-    assert "FalconForCausalLM" in message and all(a in message for a in supported_architectures())
+    assert "MambaForCausalLM" in message and all(a in message for a in supported_architectures())
     assert "Gemma3ForCausalLM" in message and "MixtralForCausalLM" in message
 
 
