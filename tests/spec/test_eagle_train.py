@@ -72,7 +72,8 @@ def test_a_new_heads_layer_starts_as_the_targets_last_layer_reading_its_hidden_i
         cfg = target.config
         kv = PagedKV(KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), 16, torch.float32), 1, "cpu")
         meta = build_attention_metadata([SeqSpec(0, n, [0])], 16)
-        want = target.layers[-1](target.rotary(torch.arange(n), x.dtype), x, meta, kv)
+        ropes = {kind: rope(torch.arange(n), x.dtype) for kind, rope in target.rotaries.items()}
+        want = target.layers[-1](ropes, x, meta, kv)
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
 
 
