@@ -53,19 +53,20 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         weights, ids = self.route(x)
-        k = self.spec.top_k
+        t, k = ids.shape
         order = torch.argsort(ids.view(-1), stable=True)  # [T * k] pairs sorted by expert
         counts = torch.bincount(ids.view(-1), minlength=self.spec.num_experts).tolist()
-        tokens = order // k  # [T * k] the token of each sorted pair
-        rows = x.index_select(0, tokens)  # [T * k, hidden], expert by expert
+        rows = x.index_select(0, order // k)  # [T * k, hidden]: each pair's token, expert by expert
         out_rows = torch.empty_like(rows)
         start = 0
         for expert, n in zip(self.experts, counts):  # a loop over experts, each a batched matmul
             if n:
                 out_rows[start : start + n] = expert(rows[start : start + n])
                 start += n
-        out_rows *= weights.view(-1).index_select(0, order).unsqueeze(1)
-        out = torch.zeros_like(x).index_add_(0, tokens, out_rows)
+        # Back to token order ([T, k, hidden]), then each token's k rows weighted and summed in
+        # rank order (index_add_ would scatter-add: ~5 ms a call on the CPU, and in no fixed order).
+        pairs = out_rows.index_select(0, torch.argsort(order)).view(t, k, -1)
+        out = (pairs * weights.unsqueeze(-1)).sum(dim=1)  # [T, hidden]
         if hasattr(self, "shared_expert"):
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out)
