@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.attention import SeqSpec, build_attention_metadata
-from engine.distributed.group import host_store, join_store, make_group
+from engine.distributed.group import LOOPBACK, host_store, join_store, make_group
 from engine.distributed.worker import kv_spec
 from engine.loader import load_model
 from kvcache.tensors import PagedKV
@@ -43,12 +43,12 @@ def greedy_with_logits(model) -> tuple[list[list[int]], list[torch.Tensor]]:
 
 
 def run_ranks(path, size: int) -> list:
-    store = host_store(size, 60)
+    store = host_store(LOOPBACK, 0, size, 60)
     out: list = [None] * size
 
     def rank(r: int) -> None:
         try:
-            tp = make_group(store if r == 0 else join_store(store.port, size, 60), r, size, "gloo", 60)
+            tp = make_group(store if r == 0 else join_store(LOOPBACK, store.port, size, 60), r, size, "gloo", 60, LOOPBACK)
             out[r] = greedy_with_logits(load_model(path, torch.float32, CPU, tp, 256))
         except BaseException as e:  # noqa: BLE001 - reported by the test
             out[r] = e
