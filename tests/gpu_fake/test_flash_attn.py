@@ -123,7 +123,8 @@ def test_tree_split_and_merge_match_flex_attention(kernel):
         meta = backend.build_metadata(pb.specs, backend.block_size(16), device)
         t, scale = meta.tree, 16**-0.5
         q_nodes = pb.q.index_select(0, t.valid_tokens)
-        out_p, lse_p = meta.kernel(q_nodes, pb.k_cache, pb.v_cache, meta.tree_prefix, scale)
+        (prefix,) = meta.tree_prefixes  # no sliding window: one group of every node
+        out_p, lse_p = meta.kernel(q_nodes, pb.k_cache, pb.v_cache, prefix, scale)
         lse_p = lse_p.masked_fill(~t.has_prefix[:, None], float("-inf"))
         n, width = t.token_index.shape
         flat = t.token_index.view(-1)
