@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import save_file
 
 from bench.common import spec_bench
@@ -133,20 +132,3 @@ def test_seeded_sampling_with_speculation_is_reproducible(method, default_engine
     assert first == again
     alone = run(make(default_engine, spec), prompts[1:2], params)
     assert alone == first[1:2]  # whatever the batch
-
-
-def test_a_draft_model_with_another_vocabulary_is_refused(default_engine, small_draft_model, tmp_path):
-    config = json.loads((small_draft_model / "config.json").read_text())
-    config["vocab_size"] = 1000
-    for f in small_draft_model.iterdir():
-        (tmp_path / f.name).write_bytes(f.read_bytes())
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    embed = torch.zeros(1000, config["hidden_size"])
-    from safetensors import safe_open
-
-    with safe_open(str(small_draft_model / "model.safetensors"), framework="pt") as f:
-        tensors = {n: f.get_tensor(n) for n in f.keys()}
-    tensors["model.embed_tokens.weight"] = embed
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match="vocabulary"):
-        make(default_engine, SpeculativeConfig(method="draft_model", model=str(tmp_path)))
