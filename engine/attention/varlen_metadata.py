@@ -17,7 +17,7 @@ context plus its new tokens up to itself.
 Token trees (``SeqSpec.parents``) cannot be written as one causal mask, so they
 are split in two parts merged by log-sum-exp (``engine.attention.lse``):
 
-- ``tree_prefix``: every tree node against the committed context only
+- ``tree_prefixes``: every tree node against the committed context only
   (``kv_len = context_len``, not causal: all of it is visible);
 - ``tree``: every node against the tree's own new tokens, with the tree mask
   (a small dense attention over the step's new K/V, ``TreePart``).
