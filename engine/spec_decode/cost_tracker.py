@@ -49,6 +49,7 @@ from engine.spec_decode.policy import StepCosts
 ALPHA = 0.05  # weight of one observation
 REVERT = 0.002  # pull of every observation on the relative costs back towards the start-up ones
 MAX_RATIO = 2.0  # an observation counts at most as twice (or half) its prediction
+MIN_MARGINAL = 0.5  # a row's cost past a table entry, at least, as a share of the mean of the rows before
 
 
 class CostTracker:
@@ -88,15 +89,15 @@ class CostTracker:
 
 
 def shaped(rows: tuple[int, ...], ratios: list[float]) -> tuple[float, ...]:
-    """``T(R) / T(1)`` at ``rows`` (increasing, from 1) as a pass's time behaves: a fixed
-    part (the weights read once) and work per row beyond the first that gets no cheaper as
-    rows grow, so ``(T(R) - 1) / (R - 1)`` never falls; a ratio below that floor is raised
-    to it. A time that came out low on a loaded machine would otherwise make every row past
-    it look free, and the policy would fill a large batch with drafts that cost a full row each."""
+    """``T(R) / T(1)`` at ``rows`` (increasing, from 1), each row past an entry costing at
+    least ``MIN_MARGINAL`` of the mean cost of the rows beyond the first before it: a
+    kernel may get cheaper per row as rows grow, never nearly free, and a time that came
+    out that low on a loaded machine is noise. Left as timed, it makes every row past it
+    look free, and the policy fills a large batch with drafts that cost a full row each."""
     out = [1.0]
     for prev, r, ratio in zip(rows, rows[1:], ratios[1:]):
-        per_row = (out[-1] - 1) / (prev - 1) if prev > 1 else 0.0  # mean cost of the rows so far
-        out.append(max(ratio, 1 + per_row * (r - 1)))
+        mean = (out[-1] - 1) / (prev - 1) if prev > 1 else 0.0  # of the rows 2 .. prev
+        out.append(max(ratio, out[-1] + MIN_MARGINAL * mean * (r - prev)))
     return tuple(out)
 
 

@@ -109,13 +109,13 @@ def test_a_verifying_step_moves_the_table_by_its_pass_and_the_fixed_cost_by_its_
 
 
 def test_verifying_steps_correct_the_rows_above_one_at_batch_1():
-    """Timed at start-up at 2.0 x one row, passes of 17 rows take 1.85 x once served:
+    """Timed at start-up at 2.0 x one row, passes of 17 rows take 1.6 x once served:
     at batch 1 only verifying steps reach those rows, and they bring the entry down."""
     t = CostTracker(START)
     for _ in range(300):
         t.observe(1, 0.010)
-        table = t.observe(17, 0.019, verify_s=0.0005)
-    assert table(17) == pytest.approx(1.85, rel=0.02)
+        table = t.observe(17, 0.0165, verify_s=0.0005)
+    assert table(17) == pytest.approx(1.6, rel=0.02)
     assert table.verify_fixed == pytest.approx(0.05, rel=0.01)
 
 
@@ -127,5 +127,5 @@ def test_rows_above_the_observed_ones_drift_with_them_so_drafts_keep_their_price
         t.observe(1, 0.010)
         table = t.observe(16, 0.030)  # 1.5x the ~19.3 ms timed for 16 rows
     assert table(16) == pytest.approx(3.0, rel=0.05)
-    assert table(33) - table(17) > 1.4 * 1.2  # the timed slope, drifted about 1.5x (or more: ``shaped``)
+    assert 1.4 * 1.2 < table(33) - table(17) < 1.7 * 1.2  # the timed slope, drifted about 1.5x
     assert table.verify(8, batch=16) > 1.5
