@@ -43,6 +43,23 @@ def test_flash_backend_matches_the_dense_reference(flash):
     assert 0 in calls[1]["k_lens"]  # the tree without context
 
 
+
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["no-cap", "softcap"])
+def test_flash_backend_attends_within_a_sliding_window(flash, softcap):
+    """``CASES`` through a sliding-window layer (Mistral, Gemma) with Gemma's query scale and,
+    optionally, Gemma 2's soft cap: flash-attn's ``window_size`` on the chains, and the tree
+    nodes over their context one call per depth, each a one-row query with its own window."""
+    kw = dict(window=5, scale=0.2, softcap=softcap)
+    pb = make_problem(CASES, block_size=256, dtype=torch.bfloat16, device=CUDA, num_heads=8, num_kv_heads=2,
+                      head_dim=64, **kw)
+    meta = FLASH_ATTN.build_metadata(pb.specs, 256, CUDA)
+    out = paged_attention(pb.q, pb.k, pb.v, (pb.k_cache, pb.v_cache), meta, **kw)
+    torch.testing.assert_close(value(out).double(), pb.reference, atol=BF16_TOL, rtol=BF16_TOL)
+    calls = flash_attn_standin.calls
+    assert calls[0]["causal"] and len(calls) > 2 and not any(c["causal"] for c in calls[1:])  # depth by depth
+    unwindowed = paged_attention(pb.q, pb.k, pb.v, (pb.k_cache, pb.v_cache), meta, scale=0.2, softcap=softcap)
+    assert not torch.allclose(value(unwindowed).double(), pb.reference, atol=0.1)  # power: the window matters
+
 def varlen_args(dtype=torch.bfloat16, page=256, heads=(4, 2), d=64, q_len=3, k_len=300):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(q_len, heads[0], d, generator=g).to(CUDA, dtype)
