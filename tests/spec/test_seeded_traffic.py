@@ -143,3 +143,21 @@ def test_a_seeded_request_writes_the_same_alone_beside_others_and_after_a_cache_
     assert any(s.num_scheduled_tokens >= BUDGET - 1 for s in stats)
     assert sum(s.num_prefix_cache_hits for s in stats) >= 6 * BLOCK
     check_no_lost_blocks(engine)
+
+
+def test_a_seeded_request_with_a_head_writes_the_same_after_its_own_prompt_was_cached(tmp_path):
+    """The prefix-cache hit alone (no other traffic, the cost table not tracked): a head
+    that started after the hit would draft from less context than the first time, so a
+    seeded request with a head computes its whole prompt though its blocks are cached."""
+    for seed in range(4):
+        engine = build("eagle3", tmp_path)
+        engine.cost_tracker = None
+        stats = []
+        engine.stat_loggers.append(stats.append)
+        params = SamplingParams(max_tokens=24, temperature=1.0, seed=seed, ignore_eos=True)
+        first = serve(engine, [("first", PROMPT, params)])["first"]
+        again = serve(engine, [("again", PROMPT, params)])["again"]
+        assert again == first
+        serve(engine, [("unseeded", PROMPT, SamplingParams(max_tokens=2, temperature=0.0))])
+        assert sum(s.num_prefix_cache_hits for s in stats) >= 6 * BLOCK  # the blocks were cached
+        check_no_lost_blocks(engine)
