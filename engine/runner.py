@@ -5,7 +5,7 @@ built in numpy and copied once, runs the target ONCE over every scheduled token
 (prefill chunks, decodes, and each decode's draft chain), computes logits only
 at the positions that sample (and at the prompt positions of requests that ask
 for prompt logprobs), and then either samples one token per request (no
-drafts) or verifies the drafts with the rejection sampler.
+drafts) or verifies the drafts (``engine.spec_decode.verify``).
 
 Rows: a request with ``k`` drafts contributes ``k + 1`` logit rows, row ``i``
 being the target's distribution after the first ``i`` drafts::
@@ -46,11 +46,7 @@ import torch
 
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
-from engine.spec_decode.drafter import Draft
-from engine.spec_decode.metadata import build_verify_metadata
-from engine.spec_decode import tree
 from engine.outputs import TokenLogprob
-from engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
 from engine.sampler import (
     apply_bitmask,
     build_sampling_batch,
@@ -62,7 +58,9 @@ from engine.sampler import (
 )
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
-from engine.spec_decode.tree_sampler import tree_verify
+from engine.spec_decode import tree
+from engine.spec_decode.drafter import Draft
+from engine.spec_decode.verify import Verified, greedy_rule, verify
 from engine.transfer import to_device
 from kvcache.manager import slot_mapping
 from kvcache.tensors import PagedKV, move_slots
@@ -225,7 +223,8 @@ class ModelRunner:
         """Plain decoding: one token per request. logits [n, vocab]; logprobs are of the raw
         logits, the sample of the grammar-masked ones."""
         if self._plain_greedy(requests):
-            return _greedy_rule(logits, requests, [None] * len(requests))
+            tokens = logits.argmax(-1).tolist()  # the greedy rule without drafts
+            return RunnerOutput({r.request_id: [t] for r, t in zip(requests, tokens)})
         batch = build_sampling_batch(requests, self.vocab_size, self.device, self._generators(requests))
         tokens = sample(self._masked(logits, [(r.request_id, 0) for r in requests]), batch)
         result = RunnerOutput({r.request_id: [t] for r, t in zip(requests, tokens.tolist())})
@@ -234,21 +233,34 @@ class ModelRunner:
         return result
 
     def _verify(self, logits: torch.Tensor, sched: list[ScheduledRequest], drafts: list[Draft | None]) -> RunnerOutput:
-        """Greedy matching / rejection sampling of every request's drafts (chains or
-        trees) at once.
-
-        logits [R, vocab] with R = sum(k_r + 1) rows, request by request
-        (``engine.spec_decode.metadata``).
-        """
+        """Every request's drafts (chains or trees) verified at once (``engine.spec_decode.verify``),
+        then the accepted tree paths' KV moved. logits [R, vocab] with R = sum(k_r + 1) rows,
+        request by request (``engine.spec_decode.metadata``)."""
         requests = [self.requests[s.request_id] for s in sched]
-        if self._plain_greedy(requests):
-            result = _greedy_rule(logits, requests, drafts)
-            if result.accepted_nodes:
-                self._keep_accepted_paths(sched, [result.accepted_nodes.get(s.request_id, []) for s in sched])
-            return result
-        meta = build_verify_metadata([d.token_ids if d else [] for d in drafts], [d.parents if d else None for d in drafts],
-                                     [d.probs if d else None for d in drafts], self.vocab_size, self.device)
-        k = [len(d.token_ids) if d else 0 for d in drafts]  # from the host's lists: no device sync
+        num_logprobs = None
+        if self._plain_greedy(requests):  # the argmax of the raw logits: no sampling batch needed
+            verified = greedy_rule(logits.argmax(-1).tolist(), drafts)
+        else:
+            verified, num_logprobs, rows = self._verify_processed(logits, requests, drafts)
+        self._keep_accepted_paths(sched, verified.paths)
+        result = RunnerOutput({}, num_drafted={}, num_accepted={})
+        for i, (r, d) in enumerate(zip(requests, drafts)):
+            result.sampled[r.request_id] = verified.tokens[i]
+            if d is not None and d.token_ids:
+                result.num_drafted[r.request_id] = len(d.token_ids)
+                result.num_accepted[r.request_id] = len(verified.paths[i])
+                if verified.paths[i] and d.parents is not None:
+                    result.accepted_nodes[r.request_id] = verified.paths[i]
+        if num_logprobs is not None:
+            self._add_chain_logprobs(result, logits, *rows, requests, num_logprobs, verified)
+        return result
+
+    def _verify_processed(self, logits: torch.Tensor, requests: list[RequestState], drafts: list[Draft | None]):
+        """``verify`` on the processed rows (grammar masks, penalties counting the drafts before
+        each row, temperature and the rest), with each request's randomness. Returns the
+        verdict, the most logprobs a request asks (None: none) and (request, row within it) of
+        each row."""
+        k = [len(d.token_ids) if d else 0 for d in drafts]
         row_req = np.repeat(np.arange(len(requests)), np.array(k) + 1)  # [R] request of each row
         row_pos = np.concatenate([np.arange(ki + 1) for ki in k])  # [R] row within its request
         branches = [tree.path_tokens(d.token_ids, d.parents, len(d.token_ids)) if d else [[]] for d in drafts]
@@ -256,37 +268,15 @@ class ModelRunner:
         batch = build_sampling_batch([requests[i] for i in row_req], self.vocab_size, self.device,
                                      [None] * len(row_req), prefixes)
         masked = self._masked(logits, [(requests[i].request_id, p) for i, p in zip(row_req, row_pos)])
-        argmax = penalized_logits(masked, batch).argmax(-1)  # [R]
-        greedy = to_device([r.params.greedy for r in requests], self.device)
-        nodes = None
-        if batch.all_greedy:
-            probs = uniforms = noise = None
-        else:
+        greedy = [r.params.greedy for r in requests]
+        argmax = penalized_logits(masked, batch).argmax(-1) if any(greedy) else None  # [R]
+        probs = uniforms = noise = None
+        sampled = [i for i, g in enumerate(greedy) if not g]
+        if sampled:
             probs = processed_probs(masked, batch)  # [R, V]
-            uniforms, noise = self._randomness(k, self._generators(requests))
-        if meta.children is not None:
-            out, accepted, nodes = tree_verify(argmax, meta, greedy, probs, uniforms, noise)
-        elif batch.all_greedy:
-            out, accepted = greedy_verify(argmax, meta)
-        else:
-            out, accepted = rejection_sample(probs, argmax, meta, greedy, uniforms, noise)
-        out, accepted, nodes = _to_host(out, accepted, nodes)
-        paths = None if nodes is None else [[x for x in row if x >= 0] for row in nodes]
-        if paths is not None:
-            self._keep_accepted_paths(sched, paths)
-        result = RunnerOutput({}, num_drafted={}, num_accepted={})
-        for i, (r, tokens, j) in enumerate(zip(requests, out, accepted)):
-            result.sampled[r.request_id] = tokens[: j + 1]
-            if k[i]:
-                result.num_drafted[r.request_id] = k[i]
-                result.num_accepted[r.request_id] = j
-            if paths is not None and paths[i] and drafts[i].parents is not None:
-                result.accepted_nodes[r.request_id] = paths[i]
-        # Row of each emitted token: a chain's row i emits output token i; a tree's path, its nodes' rows.
-        emit_rows = [list(range(j + 1)) for j in accepted] if paths is None else [[0] + [x + 1 for x in p] for p in paths]
-        if batch.num_logprobs is not None:
-            self._add_chain_logprobs(result, logits, row_req, row_pos, requests, batch.num_logprobs, emit_rows)
-        return result
+            uniforms, noise = self._randomness([k[i] for i in sampled], self._generators([requests[i] for i in sampled]))
+        verified = verify(drafts, greedy, argmax, probs, uniforms, noise)
+        return verified, batch.num_logprobs, (row_req, row_pos)
 
     def _keep_accepted_paths(self, sched: list[ScheduledRequest], paths: list[list[int]]) -> None:
         """Moves each accepted path's KV entries to the positions right after the
@@ -323,10 +313,9 @@ class ModelRunner:
                     TokenLogprob(lp.token_id, lp.logprob, lp.top[: r.params.logprobs])
                 )
 
-    def _add_chain_logprobs(self, result, logits, row_req, row_pos, requests, top_n, emit_rows) -> None:
-        """Logprobs of each emitted token, from the row that predicted it: output token
-        ``j`` of request ``r`` came from its row ``emit_rows[r][j]``."""
-        order = [{row: j for j, row in enumerate(rows)} for rows in emit_rows]
+    def _add_chain_logprobs(self, result, logits, row_req, row_pos, requests, top_n, verified: Verified) -> None:
+        """Logprobs of each emitted token, from the row that predicted it (``Verified.emit_rows``)."""
+        order = [{row: j for j, row in enumerate(verified.emit_rows(i))} for i in range(len(requests))]
         keep = [i for i, (r, p) in enumerate(zip(row_req, row_pos)) if p in order[r]]
         tokens = to_device([result.sampled[requests[row_req[i]].request_id][order[row_req[i]][row_pos[i]]] for i in keep],
                            self.device, torch.long)
@@ -364,56 +353,6 @@ class ModelRunner:
         if g is None:
             g = self.generators[request_id] = torch.Generator(self.device).manual_seed(params.seed)
         return g
-
-
-def _to_host(out: torch.Tensor, accepted: torch.Tensor, nodes: torch.Tensor | None):
-    """The verification's results on the host in one copy (one sync on a GPU): out [n, L + 1],
-    accepted [n] and nodes [n, L'] (or None) -> lists of lists, a list, lists of lists (or None)."""
-    parts = [out, accepted.unsqueeze(1)] + ([nodes] if nodes is not None else [])
-    rows = torch.cat(parts, dim=1).tolist()
-    width = out.shape[1]
-    return ([r[:width] for r in rows], [r[width] for r in rows],
-            None if nodes is None else [r[width + 1 :] for r in rows])
-
-
-def _greedy_rule(logits: torch.Tensor, requests: list[RequestState], drafts: list[Draft | None]) -> RunnerOutput:
-    """The greedy rule for plain greedy requests (``ModelRunner._plain_greedy``), chains
-    and trees: each keeps the longest root path of drafts whose every node is the
-    target's argmax after its parent, then the argmax after the path's last node; a
-    request without drafts takes its row's argmax. The tokens of ``greedy_verify``,
-    ``tree_verify`` and ``sample`` through the sampling batch (the same argmax over the
-    same logits), without the batch's per-row tensors: a batch-1 step's rule took
-    0.8-0.9 ms that way for a chain and 1.3-1.4 ms for a 3-node tree, the sampler of a
-    plain step 0.22 ms. logits [R, vocab], R = the requests' drafts + 1 each, request
-    by request; a tree's node i is row 1 + i of its request."""
-    argmax = logits.argmax(-1).tolist()  # [R]
-    result = RunnerOutput({})
-    row = 0
-    for r, d in zip(requests, drafts):
-        ids = d.token_ids if d else ()
-        parents = d.parents if d and d.parents is not None else tree.chain(len(ids))
-        path = _greedy_path(ids, parents, argmax[row : row + len(ids) + 1])
-        result.sampled[r.request_id] = [ids[n] for n in path] + [argmax[row + (path[-1] + 1 if path else 0)]]
-        if ids:
-            result.num_drafted[r.request_id] = len(ids)
-            result.num_accepted[r.request_id] = len(path)
-            if path and d.parents is not None:
-                result.accepted_nodes[r.request_id] = path
-        row += len(ids) + 1
-    return result
-
-
-def _greedy_path(ids, parents: tuple[int, ...], argmax: list[int]) -> list[int]:
-    """The nodes from the root down while some child of the node reached is the target's
-    argmax after it (``argmax[0]``: after the root, ``argmax[1 + i]``: after node i)."""
-    path, node = [], -1
-    while True:
-        want = argmax[node + 1]
-        child = next((i for i in range(node + 1, len(ids)) if parents[i] == node and ids[i] == want), None)
-        if child is None:
-            return path
-        path.append(child)
-        node = child
 
 
 def _fed_tree(s: ScheduledRequest, draft: Draft | None) -> tuple[int, ...] | None:

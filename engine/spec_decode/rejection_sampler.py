@@ -1,22 +1,21 @@
-"""Verification of drafted tokens: greedy matching and the rejection rule.
+"""Verification of sampled requests' draft chains: the rejection rule.
 
-One pure, vectorized function over the batch. Request ``r`` drafted
+One pure, vectorized function over the batch (greedy requests take
+``engine.spec_decode.verify.greedy_rule``). Request ``r`` drafted
 ``num_drafts[r] <= K`` tokens ``x_1 .. x_k``; the target pass gave the processed
 distributions ``p_1 .. p_{k+1}`` (``p_i`` conditioned on the drafts before ``x_i``).
 
 Rule, per position ``i = 1 .. k`` from left to right, stopping at the first
 rejection (Leviathan et al. 2023, Alg. 1):
 
-* greedy request: accept ``x_i`` iff it equals ``argmax p_i``;
-* sampled request: accept ``x_i`` iff ``u_i < p_i(x_i) / q_i(x_i)``, ``u_i ~ U[0, 1)``,
-  where ``q_i`` is the distribution the drafter really sampled ``x_i`` from
-  (one-hot for a deterministic drafter such as prompt lookup).
+accept ``x_i`` iff ``u_i < p_i(x_i) / q_i(x_i)``, ``u_i ~ U[0, 1)``, where ``q_i``
+is the distribution the drafter really sampled ``x_i`` from (one-hot for a
+deterministic drafter such as prompt lookup).
 
 With ``J`` drafts accepted (the *accepted* tokens), one more token is emitted:
 
-* ``J < k``: the *recovered* token, sampled from ``normalize(max(0, p_{J+1} - q_{J+1}))``
-  (greedy: ``argmax p_{J+1}``);
-* ``J = k``: the *bonus* token, sampled from ``p_{k+1}`` (greedy: its argmax).
+* ``J < k``: the *recovered* token, sampled from ``normalize(max(0, p_{J+1} - q_{J+1}))``;
+* ``J = k``: the *bonus* token, sampled from ``p_{k+1}``.
 
 Taking ``q_{k+1} = 0`` makes the bonus case the residual formula at ``J = k``.
 
@@ -36,9 +35,7 @@ PLACEHOLDER = -1
 
 def rejection_sample(
     target_probs: torch.Tensor,  # [R, V] processed p, request after request (k_r + 1 rows each)
-    target_argmax: torch.Tensor,  # [R] greedy choice of the target per row
     meta: VerifyMetadata,
-    greedy: torch.Tensor,  # [n] bool
     uniforms: torch.Tensor,  # [D] U[0, 1), one per draft
     noise: torch.Tensor,  # [n, V] Exp(1), for the recovered / bonus token
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,27 +43,14 @@ def rejection_sample(
     ids, rows = meta.draft_token_ids, meta.target_logits_indices  # [D], [D]
     p_x = target_probs[rows, ids]  # [D]
     q_x = torch.ones_like(p_x) if meta.draft_probs is None else meta.draft_probs[torch.arange(len(ids), device=ids.device), ids]
-    accept_random = uniforms * q_x < p_x  # u < p/q without dividing by a zero q
-    accept_greedy = ids == target_argmax[rows]
-    accept = torch.where(greedy[meta.request_index], accept_greedy, accept_random)  # [D]
+    accept = uniforms * q_x < p_x  # [D] u < p/q without dividing by a zero q
     num_accepted = _first_rejection(accept, meta)  # [n]
 
     # The distribution of the extra token at row J: residual, or p itself at J = k.
     p_j = target_probs[meta.first_rows + num_accepted]  # [n, V]
     q_j = _draft_row(meta, num_accepted, p_j)
-    recovered = (residual_distribution(p_j, q_j) / noise).argmax(dim=1)  # exponential race
-    extra = torch.where(greedy, target_argmax[meta.first_rows + num_accepted], recovered)
+    extra = (residual_distribution(p_j, q_j) / noise).argmax(dim=1)  # exponential race
     return _assemble(meta, num_accepted, extra), num_accepted
-
-
-def greedy_verify(target_argmax: torch.Tensor, meta: VerifyMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rule when every request is greedy (target_argmax [R]): keep the longest prefix of
-    drafts equal to the target's argmaxes, then the target's argmax after it. Same outputs
-    as ``rejection_sample`` with all ``greedy`` set, without distributions or randomness.
-    Returns ``(output_ids [n, K + 1], num_accepted [n])``."""
-    accept = meta.draft_token_ids == target_argmax[meta.target_logits_indices]  # [D]
-    num_accepted = _first_rejection(accept, meta)
-    return _assemble(meta, num_accepted, target_argmax[meta.first_rows + num_accepted]), num_accepted
 
 
 def _first_rejection(accept: torch.Tensor, meta: VerifyMetadata) -> torch.Tensor:

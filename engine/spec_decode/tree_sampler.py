@@ -1,4 +1,4 @@
-"""Verification of drafted token trees: greedy walk and recursive rejection.
+"""Verification of sampled requests' token trees: recursive rejection.
 
 Extends ``engine.spec_decode.rejection_sampler`` (a chain is the tree of width 1 and gives
 the same outputs from the same random numbers) to trees (``engine.spec_decode.tree``),
@@ -13,11 +13,11 @@ several children*; SpecInfer's multi-step speculative sampling):
 
 * try the current node's children ``s_1, s_2, ...`` in order; child ``s_i``
   drafted from ``q_i`` is accepted iff ``u < R(s_i) / q_i(s_i)`` (``u`` the
-  child's own uniform), greedy requests iff ``s_i = argmax p_node``;
+  child's own uniform);
 * after a rejection, ``R <- normalize(max(0, R - q_i))`` before the next sibling;
 * on acceptance move to the child, with ``R = p_child``, and repeat;
-* when no child is accepted, emit the *recovered* token, sampled from ``R``
-  (greedy: ``argmax p_node``); at a leaf, the *bonus* token from ``R = p_leaf``.
+* when no child is accepted, emit the *recovered* token, sampled from ``R``;
+  at a leaf, the *bonus* token from ``R = p_leaf``.
 
 Exactness (proof sketch). At one node with target ``R_1 = p``, backward
 induction on the try index ``i``: if the continuation after a rejected try ``i``
@@ -66,12 +66,10 @@ def extra_distribution(r: torch.Tensor, p_node: torch.Tensor) -> torch.Tensor:
 
 
 def tree_verify(
-    target_argmax: torch.Tensor,  # [R]
     meta: VerifyMetadata,  # meta.children [R, W] must be set
-    greedy: torch.Tensor,  # [n] bool
-    target_probs: torch.Tensor | None = None,  # [R, V]; None: every request is greedy
-    uniforms: torch.Tensor | None = None,  # [D] U[0, 1), one per node
-    noise: torch.Tensor | None = None,  # [n, V] Exp(1) for the recovered / bonus token
+    target_probs: torch.Tensor,  # [R, V]
+    uniforms: torch.Tensor,  # [D] U[0, 1), one per node
+    noise: torch.Tensor,  # [n, V] Exp(1) for the recovered / bonus token
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(output_ids [n, L + 1], num_accepted [n], accepted_nodes [n, L])``, L the
     deepest tree's levels (``meta.max_depth``), rows padded with PLACEHOLDER."""
@@ -83,7 +81,7 @@ def tree_verify(
     cur = meta.first_rows.clone()  # [n] current row
     done = torch.zeros(n, dtype=torch.bool, device=cur.device)
     path: list[torch.Tensor] = []  # accepted draft (flat index) per depth, -1 where none
-    r = target_probs[cur] if target_probs is not None else None  # [n, V]
+    r = target_probs[cur]  # [n, V] the target the next child is tried against
     for _ in range(meta.max_depth + 1):  # one level a pass; bounds known on the host: no device sync
         moved = torch.zeros_like(done)
         for j in range(width):
@@ -91,27 +89,21 @@ def tree_verify(
             trying = ~done & ~moved & (child >= 0)
             c = child.clamp(min=0)
             x = ids[c]  # [n]
-            accept = x == target_argmax[cur]
-            if target_probs is not None:
-                q = _node_q(q_all, c, x, r)  # [n, V]
-                random = uniforms[c] * q[b, x] < r[b, x]  # u < R/q without dividing by a zero q
-                accept = torch.where(greedy, accept, random)
-                rejected = (trying & ~accept).unsqueeze(1)
-                r = torch.where(rejected, next_target(r, q), r)
+            q = _node_q(q_all, c, x, r)  # [n, V]
+            accept = uniforms[c] * q[b, x] < r[b, x]  # u < R/q without dividing by a zero q
+            rejected = (trying & ~accept).unsqueeze(1)
+            r = torch.where(rejected, next_target(r, q), r)
             accept &= trying
             cur = torch.where(accept, draft_rows[c], cur)
             moved |= accept
         path.append(torch.where(moved, cur - b - 1, PLACEHOLDER))  # the draft at row cur: cur - r - 1
-        if r is not None:
-            r = torch.where(moved.unsqueeze(1), target_probs[cur], r)
+        r = torch.where(moved.unsqueeze(1), target_probs[cur], r)
         done |= ~moved
     accepted = torch.stack(path[:-1], dim=1) if len(path) > 1 else cur.new_zeros(n, 0)  # [n, L] flat
     num_accepted = (accepted >= 0).sum(dim=1)
-    extra = target_argmax[cur]
-    if target_probs is not None:
-        leaf = (children[cur, 0] < 0).unsqueeze(1)  # no child: bonus, drawn as the chain rule does
-        dist = torch.where(leaf, residual_distribution(r, torch.zeros_like(r)), extra_distribution(r, target_probs[cur]))
-        extra = torch.where(greedy, extra, (dist / noise).argmax(dim=1))  # exponential race
+    leaf = (children[cur, 0] < 0).unsqueeze(1)  # no child: bonus, drawn as the chain rule does
+    dist = torch.where(leaf, residual_distribution(r, torch.zeros_like(r)), extra_distribution(r, target_probs[cur]))
+    extra = (dist / noise).argmax(dim=1)  # exponential race
     start = meta.draft_starts.unsqueeze(1)  # [n, 1]
     nodes = torch.where(accepted >= 0, accepted - start, PLACEHOLDER)  # within each request
     return _assemble(ids, accepted, num_accepted, extra), num_accepted, nodes

@@ -88,10 +88,8 @@ def run_rounds(p_table: np.ndarray, draft, seed: int = 0) -> np.ndarray:
         probs = torch.tensor(p_table[rows], dtype=torch.float32).flatten(0, 1)  # [n * (nodes + 1), V]
         qs = [None] * NUM_SAMPLES if q is None else list(torch.tensor(q, dtype=torch.float32))
         meta = build_verify_metadata(tokens.tolist(), [PARENTS] * NUM_SAMPLES, qs, V)
-        out, acc, _ = tree_verify(
-            probs.argmax(-1), meta, torch.zeros(NUM_SAMPLES, dtype=torch.bool), probs,
-            torch.rand(NUM_SAMPLES * len(PARENTS), generator=g), torch.empty(NUM_SAMPLES, V).exponential_(generator=g),
-        )
+        uniforms = torch.rand(NUM_SAMPLES * len(PARENTS), generator=g)
+        out, acc, _ = tree_verify(meta, probs, uniforms, torch.empty(NUM_SAMPLES, V).exponential_(generator=g))
         outputs = np.concatenate([outputs, out.numpy()], axis=1)
         last = out.gather(1, acc.unsqueeze(1)).squeeze(1).numpy()
     emitted = _first(outputs, OUTPUT_LEN)

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from engine.spec_decode import tree
-from engine.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample
+from engine.spec_decode.drafter import Draft
 from engine.spec_decode.metadata import build_verify_metadata
+from engine.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample
 from engine.spec_decode.tree_sampler import tree_verify
+from engine.spec_decode.verify import greedy_rule
 
 # The reference's example:      root
 #                              /    \
@@ -27,6 +29,8 @@ def test_tree_indices_of_the_reference_example():
     assert tree.path(PARENTS, 5) == [0, 2, 5]
     assert tree.path_tokens([10, 11, 12, 13, 14, 15], PARENTS, 6)[6] == [10, 12, 15]
     assert tree.is_chain((-1, 0, 1)) and not tree.is_chain(PARENTS)
+    meta = build_verify_metadata([[0] * 6], [PARENTS], [None], 10)
+    assert meta.children.tolist() == tree.children_table(PARENTS, 2).tolist()  # one request: its own table
     with pytest.raises(ValueError):
         tree.depths((0,))
 
@@ -44,11 +48,8 @@ def test_static_tree_literal_as_vllm_writes_it():
 
 
 def greedy_walk(argmax_rows: list[int], tokens: list[int]):
-    meta = build_verify_metadata([tokens], [PARENTS], [None], 10)
-    assert meta.children.tolist() == tree.children_table(PARENTS, 2).tolist()  # one request: its own table
-    out, acc, nodes = tree_verify(torch.tensor(argmax_rows), meta, torch.tensor([True]))
-    n = int(acc[0])  # the rows are padded to the deepest tree's levels
-    return out[0].tolist()[: n + 1], n, nodes[0].tolist()[:n]
+    verified = greedy_rule(argmax_rows, [Draft(tokens, None, PARENTS)])
+    return verified.tokens[0], len(verified.paths[0]), verified.paths[0]
 
 
 def test_greedy_walk_follows_the_matching_child_then_takes_the_target_token():
@@ -73,9 +74,8 @@ def test_deterministic_siblings_second_child_accepted_against_the_updated_residu
     meta = build_verify_metadata([[0, 1]], [(-1, -1)], [None], 3)
 
     def run(u0, u1, noise=(1.0, 1.0, 1.0)):
-        out, acc, _ = tree_verify(p.argmax(-1), meta, torch.tensor([False]), p, torch.tensor([u0, u1]),
-                                  torch.tensor([noise]))
-        return out[0].tolist()[: int(acc[0]) + 1], int(acc[0])
+        out, acc, _ = tree_verify(meta, p, torch.tensor([u0, u1]), torch.tensor([noise]))
+        return out[0].tolist()[: int(acc[0]) + 1], int(acc[0])  # rows padded to the deepest tree's levels
 
     assert run(0.4, 0.99) == ([0, 0], 1)  # child 0 accepted, bonus from its row (all on token 0)
     assert run(0.6, 0.5) == ([1, 2], 1)  # child 0 rejected, child 1 accepted (0.5 < 0.6), bonus token 2
@@ -92,15 +92,13 @@ def test_a_chain_gives_exactly_the_chain_samplers_output(seed):
     q = [torch.rand(m, v, generator=g) ** 3 for m in num]
     q = [x / x.sum(-1, keepdim=True) for x in q]
     ids = [torch.multinomial(x, 1, generator=g).view(-1).tolist() if len(x) else [] for x in q]
-    greedy = torch.rand(n, generator=g) < 0.3
     uniforms = torch.rand(sum(num), generator=g)
     noise = torch.empty(n, v).exponential_(generator=g)
-    argmax = probs.argmax(-1)
     for q_used in (q, [None] * n):
         chains = build_verify_metadata(ids, [None] * n, q_used, v)
         as_trees = build_verify_metadata(ids, [tree.chain(m) for m in num], q_used, v, with_children=True)
-        want, want_acc = rejection_sample(probs, argmax, chains, greedy, uniforms, noise)
-        got, got_acc, _ = tree_verify(argmax, as_trees, greedy, probs, uniforms, noise)
+        want, want_acc = rejection_sample(probs, chains, uniforms, noise)
+        got, got_acc, _ = tree_verify(as_trees, probs, uniforms, noise)
         assert torch.equal(got_acc, want_acc)
         assert torch.equal(got, want[:, : got.shape[1]])
         assert (want[:, got.shape[1]:] == PLACEHOLDER).all()

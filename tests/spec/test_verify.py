@@ -1,17 +1,15 @@
 """The verification function on hand-made inputs: the reference's worked
 example computed exactly, greedy matching, bonus tokens, padding."""
 
-from types import SimpleNamespace
-
 import numpy as np
 import torch
 
-from engine.spec_decode.rejection_sampler import PLACEHOLDER, greedy_verify, rejection_sample, residual_distribution
 from engine.spec_decode import tree
-from engine.runner import _greedy_rule
 from engine.spec_decode.drafter import Draft
 from engine.spec_decode.metadata import build_verify_metadata
+from engine.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample, residual_distribution
 from engine.spec_decode.tree_sampler import tree_verify
+from engine.spec_decode.verify import greedy_rule, verify
 
 P = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
 Q = torch.tensor([0.2, 0.6, 0.2], dtype=torch.float64)
@@ -22,12 +20,12 @@ def chains(drafts, probs=None, vocab=3):
     return build_verify_metadata(drafts, [None] * len(drafts), probs or [None] * len(drafts), vocab)
 
 
-def verify_one(p_rows, q_rows, drafts, u, greedy=False, noise=None):
+def verify_one(p_rows, q_rows, drafts, u, noise=None):
     p = torch.stack(p_rows).float()  # [k + 1, V]
     q = torch.stack(q_rows).float() if q_rows is not None else None
     meta = chains([drafts], [q], vocab=p.shape[1])
     noise = torch.ones(1, p.shape[1]) if noise is None else noise
-    out, acc = rejection_sample(p, p.argmax(-1), meta, torch.tensor([greedy]), torch.tensor(u).float(), noise)
+    out, acc = rejection_sample(p, meta, torch.tensor(u).float(), noise)
     return out[0].tolist(), int(acc[0])
 
 
@@ -76,19 +74,19 @@ def test_deterministic_drafts_use_a_one_hot_q():
 
 
 def test_greedy_keeps_the_longest_matching_prefix_then_the_target_token():
-    p = [torch.nn.functional.one_hot(torch.tensor(t), 5).double() for t in (3, 1, 4, 2)]
-    out, acc = verify_one(p, None, [3, 1, 0], [1.0, 1.0, 1.0], greedy=True)
-    assert (out, acc) == ([3, 1, 4, PLACEHOLDER], 2)
-    out, acc = verify_one(p, None, [3, 1, 4], [1.0] * 3, greedy=True)
-    assert (out, acc) == ([3, 1, 4, 2], 3)
+    argmax = [3, 1, 4, 2]  # the target's choice after 0, 1, 2, 3 drafts
+    verified = greedy_rule(argmax, [Draft([3, 1, 0])])
+    assert (verified.tokens, verified.paths) == ([[3, 1, 4]], [[0, 1]])
+    verified = greedy_rule(argmax, [Draft([3, 1, 4])])
+    assert (verified.tokens, verified.paths) == ([[3, 1, 4, 2]], [[0, 1, 2]])
+    assert greedy_rule([7], [None]).tokens == [[7]]  # no drafts: the row's own argmax
 
 
 def test_batch_rows_are_independent_and_padded():
     p = torch.stack([P] * 5).float()  # 3 rows for the first request, 2 for the second: nothing padded
     meta = chains([[1, 1], [0]])
     assert meta.cu_num_draft_tokens.tolist() == [2, 3] and meta.target_logits_indices.tolist() == [0, 1, 3]
-    out, acc = rejection_sample(p, p.argmax(-1), meta, torch.tensor([False, False]), torch.full((3,), 0.1),
-                                torch.ones(2, 3))
+    out, acc = rejection_sample(p, meta, torch.full((3,), 0.1), torch.ones(2, 3))
     assert acc.tolist() == [2, 1]
     assert out[1, 2].item() == PLACEHOLDER
 
@@ -102,17 +100,25 @@ def test_flat_layout_of_the_metadata_docstring():
     assert meta.request_index.tolist() == [0, 0, 2, 2, 2] and meta.max_num_draft_tokens == 3
 
 
-def test_greedy_fast_path_matches_the_general_rule():
+def one_hot_rows(argmax: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, V]: p one-hot at each row's argmax, the distribution a greedy request samples from."""
+    return torch.nn.functional.one_hot(argmax, vocab).float()
+
+
+def test_the_greedy_rule_is_the_rejection_rule_at_a_one_hot_p():
+    """On chains of random lengths (none included), the greedy rule gives the tokens and
+    accepted counts the rejection rule gives with p one-hot at the argmax, whatever the
+    uniforms and noise."""
     gen = torch.Generator().manual_seed(0)
     n, k, vocab = 64, 5, 4  # a small vocabulary so that many drafts match
-    num_drafts = torch.randint(0, k + 1, (n,), generator=gen).tolist()
-    meta = chains([torch.randint(0, vocab, (m,), generator=gen).tolist() for m in num_drafts], vocab=vocab)
-    probs = torch.rand(sum(num_drafts) + n, vocab, generator=gen).softmax(-1)
-    argmax = probs.argmax(-1)
-    expected = rejection_sample(probs, argmax, meta, torch.ones(n, dtype=torch.bool), torch.rand(sum(num_drafts)),
-                                torch.ones(n, vocab))
-    out, acc = greedy_verify(argmax, meta)
-    assert torch.equal(out, expected[0]) and torch.equal(acc, expected[1])
+    drafted = [torch.randint(0, vocab, (m,), generator=gen).tolist() for m in torch.randint(0, k + 1, (n,), generator=gen).tolist()]
+    argmax = torch.randn(sum(map(len, drafted)) + n, vocab, generator=gen).argmax(-1)
+    out, acc = rejection_sample(one_hot_rows(argmax, vocab), chains(drafted, vocab=vocab),
+                                torch.rand(sum(map(len, drafted)), generator=gen), torch.rand(n, vocab, generator=gen) + 0.1)
+    verified = greedy_rule(argmax.tolist(), [Draft(d) if d else None for d in drafted])
+    for i, d in enumerate(drafted):
+        j = int(acc[i])
+        assert verified.tokens[i] == out[i, : j + 1].tolist() and verified.paths[i] == list(range(j))
     assert 0 < acc.float().mean() < k  # the case mix covers rejections and full acceptance
 
 
@@ -131,31 +137,11 @@ def test_a_deterministic_draft_is_verified_alike_beside_a_sampled_one():
     noise = torch.tensor([[1.0, 1.0, 1.0], [0.01, 1.0, 0.5]])
     accepted = 0
     for u in (np.arange(100) + 0.5) / 100:
-        out, acc = rejection_sample(p, p.argmax(-1), mixed, torch.tensor([False, False]), torch.tensor([u, u]).float(), noise)
+        out, acc = rejection_sample(p, mixed, torch.tensor([u, u]).float(), noise)
         alone, alone_acc = verify_one([P, P], None, [0], [u], noise=noise[1:])
         assert (out[1].tolist(), int(acc[1])) == (alone, alone_acc)
         accepted += int(acc[1])
     assert accepted == 50  # p(0) = 0.5 of the uniforms accept it, not every one (q = 0 would accept all)
-
-
-def test_the_runners_greedy_chain_rule_matches_greedy_verify():
-    """``engine.runner._greedy_rule`` (plain greedy requests) on chains against the
-    general rule on the same logits: the same tokens and accepted counts, requests
-    without drafts included."""
-    gen = torch.Generator().manual_seed(1)
-    n, k, vocab = 64, 5, 4
-    drafted = [torch.randint(0, vocab, (m,), generator=gen).tolist() for m in torch.randint(0, k + 1, (n,), generator=gen).tolist()]
-    logits = torch.randn(sum(map(len, drafted)) + n, vocab, generator=gen)
-    out, acc = greedy_verify(logits.argmax(-1), chains(drafted, vocab=vocab))
-    requests = [SimpleNamespace(request_id=f"r{i}") for i in range(n)]
-    result = _greedy_rule(logits, requests, [Draft(d) if d else None for d in drafted])
-    for i, d in enumerate(drafted):
-        j = int(acc[i])
-        assert result.sampled[f"r{i}"] == out[i, : j + 1].tolist()
-        assert result.num_accepted.get(f"r{i}") == (j if d else None)
-        assert result.num_drafted.get(f"r{i}") == (len(d) or None)
-    assert not result.accepted_nodes
-    assert 0 < acc.float().mean() < k
 
 
 def random_tree(gen, nodes: int, vocab: int) -> tuple[list[int], tuple[int, ...]]:
@@ -172,9 +158,9 @@ def random_tree(gen, nodes: int, vocab: int) -> tuple[list[int], tuple[int, ...]
     return tokens, tuple(parents)
 
 
-def test_the_runners_greedy_rule_on_trees_matches_tree_verify():
-    """On random trees (and chains and no drafts beside them in one batch) the runner's
-    greedy rule returns ``tree_verify``'s tokens, accepted counts and accepted nodes."""
+def test_the_greedy_rule_on_trees_is_tree_verify_at_a_one_hot_p():
+    """On random trees (and chains and no drafts beside them in one batch) the greedy rule
+    returns the tokens and accepted nodes of ``tree_verify`` with p one-hot at the argmax."""
     gen = torch.Generator().manual_seed(2)
     n, vocab = 96, 3
     drafts = []
@@ -182,18 +168,36 @@ def test_the_runners_greedy_rule_on_trees_matches_tree_verify():
         size = int(torch.randint(0, 8, (1,), generator=gen))
         tokens, parents = random_tree(gen, size, vocab)
         drafts.append(None if not tokens else Draft(tokens, None, None if tree.is_chain(parents) else parents))
-    logits = torch.randn(sum(len(d.token_ids) for d in drafts if d) + n, vocab, generator=gen)
+    num_drafts = sum(len(d.token_ids) for d in drafts if d)
+    argmax = torch.randn(num_drafts + n, vocab, generator=gen).argmax(-1)
     meta = build_verify_metadata([d.token_ids if d else [] for d in drafts], [d.parents if d else None for d in drafts],
                                  [None] * n, vocab)
-    out, acc, nodes = tree_verify(logits.argmax(-1), meta, torch.ones(n, dtype=torch.bool))
-    requests = [SimpleNamespace(request_id=f"r{i}") for i in range(n)]
-    result = _greedy_rule(logits, requests, drafts)
+    out, acc, nodes = tree_verify(meta, one_hot_rows(argmax, vocab), torch.rand(num_drafts, generator=gen),
+                                  torch.rand(n, vocab, generator=gen) + 0.1)
+    verified = greedy_rule(argmax.tolist(), drafts)
     deep = 0
     for i, d in enumerate(drafts):
-        j, rid = int(acc[i]), f"r{i}"
-        assert result.sampled[rid] == out[i, : j + 1].tolist()
-        assert result.num_accepted.get(rid) == (j if d else None)
+        j = int(acc[i])
         path = [x for x in nodes[i].tolist() if x >= 0]
-        assert result.accepted_nodes.get(rid, []) == (path if d and d.parents is not None else [])
+        assert verified.tokens[i] == out[i, : j + 1].tolist() and verified.paths[i] == path
         deep += j >= 2 and d is not None and d.parents is not None and path[-1] != j - 1
     assert deep > 0  # some accepted paths leave the first-child chain
+
+
+def test_a_mixed_batch_sends_each_request_to_its_own_rule():
+    """Greedy requests beside sampled ones get the greedy rule's tokens; the sampled ones get
+    what the rejection rule gives them in a batch of their own, with the same random numbers."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 5
+    drafts = [Draft([1, 2]), None, Draft([3, 0, 4], None, (-1, -1, 0)), Draft([2])]
+    greedy = [True, False, False, True]
+    rows = sum(len(d.token_ids) for d in drafts if d) + len(drafts)  # 10
+    probs = torch.rand(rows, vocab, generator=gen).softmax(-1)
+    argmax = probs.argmax(-1).tolist()
+    uniforms, noise = torch.rand(3, generator=gen), torch.rand(2, vocab, generator=gen) + 0.1
+    mixed = verify(drafts, greedy, probs.argmax(-1), probs, uniforms, noise)
+    sampled_rows = torch.tensor([3, 4, 5, 6, 7])  # request 1's row, then request 2's four
+    alone = verify([drafts[1], drafts[2]], [False, False], None, probs[sampled_rows], uniforms, noise)
+    assert [mixed.tokens[1], mixed.tokens[2]] == alone.tokens and [mixed.paths[1], mixed.paths[2]] == alone.paths
+    greedy_alone = greedy_rule(argmax[:3] + argmax[8:], [drafts[0], drafts[3]])
+    assert [mixed.tokens[0], mixed.tokens[3]] == greedy_alone.tokens
