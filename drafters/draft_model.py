@@ -143,7 +143,7 @@ class ModelDrafter(SamplingDrafter):
     def _reserve_tree(self, slot: DraftSlot) -> bool:
         """KV for the committed tokens and every node the slot's tree may have."""
         self._cached(slot.request)
-        nodes = min(len(slot.shape), slot.num_tokens)
+        nodes = min(len(slot.shape), slot.num_draft_tokens)
         return self.kv.allocate_slots(slot.request.request_id, slot.request.num_tokens + nodes)
 
     def _tree_forward(self, trees: list[GrowingTree], depth: int) -> list[torch.Tensor]:
@@ -168,12 +168,12 @@ class ModelDrafter(SamplingDrafter):
         return [self._logits(hidden[t(r)]) for r in rows]
 
     def _chains(self, slots: list[DraftSlot]) -> dict[str, Draft]:
-        live = [s for s in slots if s.num_tokens > 0]
+        live = [s for s in slots if s.num_draft_tokens > 0]
         feeds = {s.request.request_id: s.request.token_ids[len(self._cached(s.request)) :] for s in live}
         drafts: dict[str, list[int]] = {s.request.request_id: [] for s in live}
         probs: dict[str, list[torch.Tensor | None]] = {s.request.request_id: [] for s in live}
-        for step in range(max((s.num_tokens for s in live), default=0)):
-            live = [s for s in live if len(drafts[s.request.request_id]) < s.num_tokens]
+        for step in range(max((s.num_draft_tokens for s in live), default=0)):
+            live = [s for s in live if len(drafts[s.request.request_id]) < s.num_draft_tokens]
             live = [s for s in live if self._reserve(s.request, feeds[s.request.request_id])]
             if not live:
                 break

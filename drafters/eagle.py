@@ -91,7 +91,7 @@ class EagleDrafter(SamplingDrafter):
 
     @torch.inference_mode()
     def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
-        live = [s for s in slots if s.num_tokens > 0 and self._has_pending(s.request.request_id)]
+        live = [s for s in slots if s.num_draft_tokens > 0 and self._has_pending(s.request.request_id)]
         trees = [s for s in live if s.shape is not None and self._reserve_tree(s)]
         out = self._chains([s for s in live if s.shape is None])
         if trees:
@@ -102,7 +102,7 @@ class EagleDrafter(SamplingDrafter):
     def _reserve_tree(self, slot: DraftSlot) -> bool:
         """KV for the pending pairs and every node the slot's tree may have."""
         st = self.states[slot.request.request_id]
-        nodes = min(len(slot.shape), slot.num_tokens)
+        nodes = min(len(slot.shape), slot.num_draft_tokens)
         return self.kv.allocate_slots(slot.request.request_id, st.num_cached + st.num_pending + nodes)
 
     def _tree_forward(self, trees: list[GrowingTree], depth: int) -> list[torch.Tensor]:
@@ -137,8 +137,8 @@ class EagleDrafter(SamplingDrafter):
         drafts: dict[str, list[int]] = {s.request.request_id: [] for s in live}
         probs: dict[str, list[torch.Tensor | None]] = {s.request.request_id: [] for s in live}
         hidden = None  # [n, H] the head's last output per live request
-        for step in range(max((s.num_tokens for s in live), default=0)):
-            keep = [i for i, s in enumerate(live) if len(drafts[s.request.request_id]) < s.num_tokens]
+        for step in range(max((s.num_draft_tokens for s in live), default=0)):
+            keep = [i for i, s in enumerate(live) if len(drafts[s.request.request_id]) < s.num_draft_tokens]
             live, hidden = [live[i] for i in keep], None if hidden is None else hidden[keep]
             feeds = self._feeds(live, drafts, hidden)
             if not live or not self._reserve(live, feeds):

@@ -66,8 +66,8 @@ class EarlyExitDrafter(SamplingDrafter):
         t = lambda a: to_device(a, self.device, torch.long)  # noqa: E731
         drafts: dict[str, list[int]] = {s.request.request_id: [] for s in slots}
         probs: dict[str, list[torch.Tensor | None]] = {s.request.request_id: [] for s in slots}
-        for step in range(max((s.num_tokens for s in slots), default=0)):
-            live = [s for s in slots if step < s.num_tokens]
+        for step in range(max((s.num_draft_tokens for s in slots), default=0)):
+            live = [s for s in slots if step < s.num_draft_tokens]
             fed = [drafts[s.request.request_id][-1] if step else s.request.token_ids[-1] for s in live]
             pos = [len(s.request.token_ids) - 1 + step for s in live]
             meta = self.build_metadata(

@@ -109,17 +109,17 @@ class NgramDrafter(Drafter):
                 continue
             if slot.shape is None:
                 n, start = m
-                out[slot.request.request_id] = Draft(tokens[start + n : start + n + slot.num_tokens])
+                out[slot.request.request_id] = Draft(tokens[start + n : start + n + slot.num_draft_tokens])
             else:
                 out[slot.request.request_id] = self._tree(slot)
         return out
 
     def _tree(self, slot: DraftSlot) -> Draft:
         """The continuations merged into a prefix tree that fits the slot's shape."""
-        widths = tree.max_widths(slot.shape[: slot.num_tokens])
+        widths = tree.max_widths(slot.shape[: slot.num_draft_tokens])
         index = self.indexes[slot.request.request_id]
         paths = index.continuations(slot.request.token_ids, len(widths), limit=2 * max(widths) * len(widths))
-        token_ids, parents = tree.merge_paths(paths, slot.num_tokens, widths)
+        token_ids, parents = tree.merge_paths(paths, slot.num_draft_tokens, widths)
         return Draft(token_ids, None, None if tree.is_chain(parents) else parents)
 
     def _match(self, request) -> tuple[int, int] | None:

@@ -78,7 +78,7 @@ class GrowingTree:
 
 def template_of(slot: DraftSlot) -> tuple[int, ...]:
     """The slot's template in depth order (as drafting grows it), cut to its node budget."""
-    shape = slot.shape[: slot.num_tokens]
+    shape = slot.shape[: slot.num_draft_tokens]
     d = tree.depths(shape)
     order = sorted(range(len(shape)), key=lambda i: (d[i], i))
     new = {old: i for i, old in enumerate(order)}

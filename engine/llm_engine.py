@@ -220,15 +220,15 @@ class LLMEngine:
             block_size=spec.block_size, dtype=dtype, device=device, target_kv=self.paged_kv,
             attention=self.runner.attention, target_path=self.model_path,
         )
-        k = sc.num_speculative_tokens
         if sc.verify_cost is not None:
             costs = StepCosts.linear(sc.verify_cost)
         else:
-            max_rows = min(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs + k)
+            most = config.scheduler.max_num_seqs + sc.num_speculative_tokens
+            max_rows = min(config.scheduler.max_num_batched_tokens, most)
             costs = measure_step_costs(self.model, self.runner, max_rows, spec.block_size, self.max_model_len)
             self.cost_tracker = CostTracker(costs)
-        log.info("speculation: %s, k=%d, draft cost %.3f per token; pass cost by tokens %s",
-                 sc.method, k, drafter.cost_per_token,
+        log.info("speculation: %s, num_speculative_tokens=%d, draft cost %.3f per token; pass cost by tokens %s",
+                 sc.method, sc.num_speculative_tokens, drafter.cost_per_token,
                  " ".join(f"{r}:{c:.2f}" for r, c in zip(costs.rows, costs.costs)))
         return drafter, SpecPolicy(sc, drafter.cost_per_token, costs)
 
@@ -236,7 +236,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.step_fallbacks = 0
         plan = self._plan()
-        scheduled = self.scheduler.schedule(plan.num_draft_slots, plan.isolated)
+        scheduled = self.scheduler.schedule(plan.num_draft_tokens, plan.isolated)
         if scheduled.is_empty:
             return []
         drafts = self._propose(scheduled, plan)
@@ -280,9 +280,10 @@ class LLMEngine:
             return {}
         requests, tables, decisions = self.scheduler.requests, self.kv_manager.block_table, plan.decisions
         slots = [
-            DraftSlot(requests[s.request_id], s.num_draft_slots, tuple(tables(s.request_id)), decisions[s.request_id].template)
+            DraftSlot(requests[s.request_id], s.num_draft_tokens, tuple(tables(s.request_id)),
+                      decisions[s.request_id].template)
             for s in scheduled.scheduled
-            if s.num_draft_slots
+            if s.num_draft_tokens
         ]
         if not slots:
             return {}
@@ -365,12 +366,12 @@ class LLMEngine:
                     outcomes = None
                     if draft is not None and not is_chain(draft.parents) and rid in result.sampled:
                         outcomes = walk(draft.token_ids, draft.parents, result.sampled[rid][:accepted])
-                    self.policy.record(rid, plan.decisions[rid], result.num_drafted.get(rid, 0), accepted, outcomes)
+                    self.policy.record(rid, plan.decisions[rid], result.num_draft_tokens.get(rid, 0), accepted, outcomes)
                 if (req := self.scheduler.requests.get(rid)) is not None:  # not finished
                     self.drafter.commit(req)
             self.policy.end_step(plan)
             if self.cost_tracker is not None and all(len(s.token_ids) == 1 for s in scheduled.scheduled):
-                rows = scheduled.num_tokens + sum(result.num_drafted.values())  # decode step: last tokens + drafts
+                rows = scheduled.num_tokens + sum(result.num_draft_tokens.values())  # decode step: last tokens + drafts
                 self.policy.step_costs = self.cost_tracker.observe(rows, times.execute_s, result.verify_s)
         if self.stat_loggers:
             try:  # metrics must never fail the step: its tokens are already committed

@@ -243,11 +243,11 @@ class ModelRunner:
         else:
             verified, num_logprobs, rows = self._verify_processed(logits, requests, drafts)
         self._keep_accepted_paths(sched, verified.paths)
-        result = RunnerOutput({}, num_drafted={}, num_accepted={})
+        result = RunnerOutput({}, num_draft_tokens={}, num_accepted={})
         for i, (r, d) in enumerate(zip(requests, drafts)):
             result.sampled[r.request_id] = verified.tokens[i]
             if d is not None and d.token_ids:
-                result.num_drafted[r.request_id] = len(d.token_ids)
+                result.num_draft_tokens[r.request_id] = len(d.token_ids)
                 result.num_accepted[r.request_id] = len(verified.paths[i])
                 if verified.paths[i] and d.parents is not None:
                     result.accepted_nodes[r.request_id] = verified.paths[i]
@@ -260,9 +260,9 @@ class ModelRunner:
         each row, temperature and the rest), with each request's randomness. Returns the
         verdict, the most logprobs a request asks (None: none) and (request, row within it) of
         each row."""
-        k = [len(d.token_ids) if d else 0 for d in drafts]
-        row_req = np.repeat(np.arange(len(requests)), np.array(k) + 1)  # [R] request of each row
-        row_pos = np.concatenate([np.arange(ki + 1) for ki in k])  # [R] row within its request
+        num_draft_tokens = [len(d.token_ids) if d else 0 for d in drafts]
+        row_req = np.repeat(np.arange(len(requests)), np.array(num_draft_tokens) + 1)  # [R] request of each row
+        row_pos = np.concatenate([np.arange(n + 1) for n in num_draft_tokens])  # [R] row within its request
         branches = [tree.path_tokens(d.token_ids, d.parents, len(d.token_ids)) if d else [[]] for d in drafts]
         prefixes = [tuple(branches[i][p]) for i, p in zip(row_req, row_pos)]
         batch = build_sampling_batch([requests[i] for i in row_req], self.vocab_size, self.device,
@@ -274,7 +274,8 @@ class ModelRunner:
         sampled = [i for i, g in enumerate(greedy) if not g]
         if sampled:
             probs = processed_probs(masked, batch)  # [R, V]
-            uniforms, noise = self._randomness([k[i] for i in sampled], self._generators([requests[i] for i in sampled]))
+            uniforms, noise = self._randomness([num_draft_tokens[i] for i in sampled],
+                                               self._generators([requests[i] for i in sampled]))
         verified = verify(drafts, greedy, argmax, probs, uniforms, noise)
         return verified, batch.num_logprobs, (row_req, row_pos)
 
@@ -293,17 +294,17 @@ class ModelRunner:
             move_slots(self.kv, self._t(np.concatenate(src)), self._t(np.concatenate(dst)))
 
 
-    def _randomness(self, k: list[int], gens: list[torch.Generator | None]):
+    def _randomness(self, num_draft_tokens: list[int], gens: list[torch.Generator | None]):
         """Uniforms [D] (one per draft, request after request) and Exp(1) noise [n, vocab].
-        A seeded request draws its own ``k[i]`` uniforms from its generator, so its draws
-        do not depend on the batch."""
-        uniforms = torch.rand(sum(k), device=self.device)
+        A seeded request draws its own ``num_draft_tokens[i]`` uniforms from its generator,
+        so its draws do not depend on the batch."""
+        uniforms = torch.rand(sum(num_draft_tokens), device=self.device)
         start = 0
-        for ki, g in zip(k, gens):
+        for n, g in zip(num_draft_tokens, gens):
             if g is not None:
-                uniforms[start : start + ki] = torch.rand(ki, generator=g, device=self.device)
-            start += ki
-        return uniforms, exponential_noise((len(k), self.vocab_size), gens, self.device)
+                uniforms[start : start + n] = torch.rand(n, generator=g, device=self.device)
+            start += n
+        return uniforms, exponential_noise((len(num_draft_tokens), self.vocab_size), gens, self.device)
 
     def _add_logprobs(self, result, logits, tokens, requests, top_n) -> None:
         lps = compute_logprobs(logits, tokens, top_n)

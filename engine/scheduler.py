@@ -57,7 +57,7 @@ class ScheduledRequest:
     block_start: int
     new_block_ids: tuple[int, ...]
     sample: bool  # the last token's logits give the next token (False mid-prompt and for max_tokens 0)
-    num_draft_slots: int = 0  # drafts that may follow token_ids (KV slots reserved for them)
+    num_draft_tokens: int = 0  # drafts that may follow token_ids (KV slots reserved for them)
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class RunnerOutput:
     logprobs: dict[str, list] = field(default_factory=dict)
     # request id -> (index of its first entry in Request.prompt_logprobs, entries), per prefill chunk
     prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
-    num_drafted: dict[str, int] = field(default_factory=dict)  # drafts verified, per request that had any
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)  # drafts verified, per request that had any
     num_accepted: dict[str, int] = field(default_factory=dict)
     # request id -> (first position, features [n, F]) of the kept tokens, for a drafter that reads them
     features: dict[str, tuple] = field(default_factory=dict)
@@ -96,7 +96,7 @@ class RunnerOutput:
         self.verify_s += other.verify_s
         for mine, theirs in ((self.sampled, other.sampled), (self.logprobs, other.logprobs),
                              (self.prompt_logprobs, other.prompt_logprobs),
-                             (self.num_drafted, other.num_drafted), (self.num_accepted, other.num_accepted),
+                             (self.num_draft_tokens, other.num_draft_tokens), (self.num_accepted, other.num_accepted),
                              (self.features, other.features), (self.accepted_nodes, other.accepted_nodes)):
             mine.update(theirs)
 
@@ -143,8 +143,9 @@ class Scheduler:
         ids, self._finished_ids = self._finished_ids, []
         return ids
 
-    def schedule(self, num_draft_slots: Mapping[str, int] | None = None, isolated: Collection[str] = ()) -> SchedulerOutput:
-        """This step's work. ``num_draft_slots``: the speculation policy's plan, request
+    def schedule(self, num_draft_tokens: Mapping[str, int] | None = None,
+                 isolated: Collection[str] = ()) -> SchedulerOutput:
+        """This step's work. ``num_draft_tokens``: the speculation policy's plan, request
         id -> draft slots wanted after its decode token (cut to the budget and limits);
         ``isolated``: requests whose slots the budget never cuts (seeded ones: their output
         depends on their number of drafts). Their decode token and slots are set aside
@@ -152,7 +153,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         new: list[NewRequest] = []
         preempted: list[str] = []
-        budget = self._schedule_running(num_draft_slots or {}, isolated, scheduled, new, preempted)
+        budget = self._schedule_running(num_draft_tokens or {}, isolated, scheduled, new, preempted)
         queries = hits = 0
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -165,31 +166,31 @@ class Scheduler:
             budget -= n
         return SchedulerOutput(tuple(scheduled), tuple(new), tuple(preempted), queries, hits)
 
-    def _schedule_running(self, num_draft_slots: Mapping[str, int], isolated: Collection[str], scheduled, new,
+    def _schedule_running(self, num_draft_tokens: Mapping[str, int], isolated: Collection[str], scheduled, new,
                           preempted) -> int:
         """The running requests' work, oldest first; returns the budget left."""
         budget = self.config.max_num_batched_tokens
-        uncut = {rid: self._draft_slots(self.requests[rid], 1, budget, num_draft_slots[rid])
-                 for rid in isolated if rid in num_draft_slots}
-        set_aside = sum(1 + k for k in uncut.values())
+        uncut = {rid: self._num_draft_tokens(self.requests[rid], 1, budget, num_draft_tokens[rid])
+                 for rid in isolated if rid in num_draft_tokens}
+        set_aside = sum(1 + d for d in uncut.values())
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             i += 1
-            k = uncut.get(req.request_id)
-            if k is not None:
-                n, set_aside = 1, set_aside - 1 - k
-                if 1 + k > budget:
+            drafts = uncut.get(req.request_id)
+            if drafts is not None:
+                n, set_aside = 1, set_aside - 1 - drafts
+                if 1 + drafts > budget:
                     continue
             else:
                 n = min(req.num_tokens - req.num_computed_tokens, budget - set_aside)
                 if n <= 0:
                     continue
-                k = self._draft_slots(req, n, budget - set_aside, num_draft_slots.get(req.request_id, 0))
-            if not self._reserve(req, n + k, preempted):
+                drafts = self._num_draft_tokens(req, n, budget - set_aside, num_draft_tokens.get(req.request_id, 0))
+            if not self._reserve(req, n + drafts, preempted):
                 break
-            scheduled.append(self._scheduled(req, n, new, k))
-            budget -= n + k
+            scheduled.append(self._scheduled(req, n, new, drafts))
+            budget -= n + drafts
         return budget
 
     def _admit(self, req: Request, budget: int) -> int | None:
@@ -217,7 +218,7 @@ class Scheduler:
         self.running.append(req)
         return n
 
-    def _draft_slots(self, req: Request, n: int, budget: int, wanted: int) -> int:
+    def _num_draft_tokens(self, req: Request, n: int, budget: int, wanted: int) -> int:
         """Draft slots after a decode token, within the budget and the request's limits."""
         if not wanted or n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
             return 0  # prefill or a partial chunk: nothing to draft after
@@ -248,7 +249,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _scheduled(self, req: Request, n: int, new: list[NewRequest], k: int = 0) -> ScheduledRequest:
+    def _scheduled(self, req: Request, n: int, new: list[NewRequest], num_draft_tokens: int = 0) -> ScheduledRequest:
         rid, start = req.request_id, req.num_computed_tokens
         synced = self._num_synced_blocks.get(rid)
         if synced is None:
@@ -263,7 +264,7 @@ class Scheduler:
             block_start=synced,
             new_block_ids=tuple(table[synced:]),
             sample=start + n == req.num_tokens and req.params.max_tokens > 0,
-            num_draft_slots=k,
+            num_draft_tokens=num_draft_tokens,
         )
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
@@ -298,7 +299,7 @@ class Scheduler:
                 touched.append(req)
             if req.is_finished:
                 self.finish(req, req.finish_reason)
-            elif tokens and s.num_draft_slots:
+            elif tokens and s.num_draft_tokens:
                 self.kv.truncate(rid, req.num_tokens)
                 synced = self._num_synced_blocks
                 synced[rid] = min(synced[rid], len(self.kv.block_table(rid)))

@@ -57,11 +57,11 @@ def make_step_stats(engine, scheduled, result, touched, times: StepTimes) -> Ste
             for i in range(acc):
                 per_pos[i] += 1
         spec = SpecStepStats(
-            num_drafts=len(result.num_drafted),
-            num_draft_tokens=sum(result.num_drafted.values()),
+            num_drafts=len(result.num_draft_tokens),
+            num_draft_tokens=sum(result.num_draft_tokens.values()),
             num_accepted_tokens=sum(result.num_accepted.values()),
             accepted_per_pos=tuple(per_pos),
-            tokens_per_round=tuple(len(result.sampled[r]) for r in result.num_drafted),
+            tokens_per_round=tuple(len(result.sampled[r]) for r in result.num_draft_tokens),
             num_paused=sum(engine.policy.is_paused(r) for r in engine.scheduler.requests),
             num_fallbacks=engine.step_fallbacks,
         )

@@ -141,9 +141,9 @@ class ServingMetrics:
         reg.register(_EngineCollector(snapshot, model_name))
         self.steps: StepMetrics | None = None
 
-    def attach_engine(self, method: str | None, max_drafts: int) -> "StepMetrics":
+    def attach_engine(self, method: str | None, num_speculative_tokens: int) -> "StepMetrics":
         """The per-step metrics of an engine; register ``.on_step`` as its stat logger."""
-        self.steps = StepMetrics(self.registry, self.model_name, method or "none", max_drafts)
+        self.steps = StepMetrics(self.registry, self.model_name, method or "none", num_speculative_tokens)
         return self.steps
 
     def on_tokens(self, stats: RequestStats, num_new: int, now: float | None = None) -> None:
@@ -185,13 +185,13 @@ class StepMetrics:
     names carry ``model_name`` and ``engine``; ours ``model_name`` and ``method``.
     ``on_step`` runs on the engine thread (prometheus_client is thread-safe)."""
 
-    def __init__(self, reg: CollectorRegistry, model_name: str, method: str, max_drafts: int):
+    def __init__(self, reg: CollectorRegistry, model_name: str, method: str, num_speculative_tokens: int):
         per_model = {"model_name": model_name}
         per_method = {**per_model, "method": method}
         vllm = {**per_model, "engine": ENGINE}
         _child(Gauge, reg, "specserve_speculative_config_info",
                "The speculative method of this engine (1); 'none' without speculation.",
-               {**vllm, "method": method, "num_speculative_tokens": str(max_drafts)}).set(1)
+               {**vllm, "method": method, "num_speculative_tokens": str(num_speculative_tokens)}).set(1)
 
         def histogram(name, doc, buckets, labels=per_method):
             return _child(Histogram, reg, name, doc, labels, buckets=buckets)
@@ -209,8 +209,8 @@ class StepMetrics:
         self.prefix_hits = _child(
             Counter, reg, "vllm:prefix_cache_hits", "Tokens of admitted requests found in the prefix cache.", vllm
         )
-        self._spec_counters(reg, vllm, per_method, max_drafts)
-        rounds = tuple(range(1, max_drafts + 2))
+        self._spec_counters(reg, vllm, per_method, num_speculative_tokens)
+        rounds = tuple(range(1, num_speculative_tokens + 2))
         self.tokens_per_round = histogram(
             "specserve_spec_decode_tokens_per_round", "Tokens emitted by one drafting round (accepted + 1).", rounds
         )
@@ -231,7 +231,7 @@ class StepMetrics:
             "Requests whose drafting is paused (drafts did not pay).", per_method,
         )
 
-    def _spec_counters(self, reg, vllm: dict, per_method: dict, max_drafts: int) -> None:
+    def _spec_counters(self, reg, vllm: dict, per_method: dict, num_speculative_tokens: int) -> None:
         def counter(name, doc):
             return _child(Counter, reg, f"vllm:spec_decode_{name}", doc, vllm)
 
@@ -246,7 +246,7 @@ class StepMetrics:
             [*vllm, "position"],
             registry=reg,
         )
-        self.per_pos = [per_pos.labels(*vllm.values(), str(i)) for i in range(max_drafts)]
+        self.per_pos = [per_pos.labels(*vllm.values(), str(i)) for i in range(num_speculative_tokens)]
 
     def on_step(self, stats) -> None:
         self.step_tokens.observe(stats.num_scheduled_tokens)

@@ -26,13 +26,13 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class DraftSlot:
     request: "Request"  # read-only: committed token_ids and sampling params
-    num_tokens: int  # at most this many drafts (decided before drafting: non-anticipating)
+    num_draft_tokens: int  # at most this many drafts (decided before drafting: non-anticipating)
     # The target's block table, with KV slots reserved for the last committed token
     # (at position len(request.token_ids) - 1) and the drafts after it. Only a drafter
     # that shares the target's cache reads it.
     block_table: tuple[int, ...] = ()
     # A token tree's template (engine.spec_decode.tree parent list, chosen by the policy before drafting):
-    # the draft may be any tree whose nodes fit it, cut to num_tokens nodes. None: a chain.
+    # the draft may be any tree whose nodes fit it, cut to num_draft_tokens nodes. None: a chain.
     shape: tuple[int, ...] | None = None
 
 

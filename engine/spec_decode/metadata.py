@@ -37,7 +37,7 @@ class VerifyMetadata:
     draft_probs: torch.Tensor | None  # [D, V] q of each draft (one-hot for deterministic ones); None: all one-hot
     children: torch.Tensor | None  # [R, W] long: draft index of each row's children, -1 padded; None: all chains
     max_num_draft_tokens: int
-    max_depth: int = 0  # levels of the deepest draft tree (a chain of k: k), for loops with no host sync
+    max_depth: int = 0  # levels of the deepest draft tree (a chain's: its num_draft_tokens), for loops with no host sync
 
     @property
     def num_requests(self) -> int:
@@ -65,31 +65,32 @@ def build_verify_metadata(
     (``[k_r, vocab]``, None: deterministic) -> the flat metadata on ``device``.
     ``children`` is built when some draft is a tree that is not a chain (``with_children``
     None), or as ``with_children`` says."""
-    k = np.array([len(t) for t in token_ids], dtype=np.int64)  # [n]
-    cu = np.cumsum(k)
-    first = cu - k + np.arange(len(k))  # each request's first row
+    num = np.array([len(t) for t in token_ids], dtype=np.int64)  # [n] num_draft_tokens
+    cu = np.cumsum(num)
+    first = cu - num + np.arange(len(num))  # each request's first row
     local_parents = [np.asarray(p if p is not None else tree.chain(len(t)), dtype=np.int64) for t, p in zip(token_ids, parents)]
-    request_index = np.repeat(np.arange(len(k)), k)
-    target = np.concatenate([first[r] + p + 1 for r, p in enumerate(local_parents)]) if k.sum() else np.zeros(0, np.int64)
+    request_index = np.repeat(np.arange(len(num)), num)
+    target = np.concatenate([first[r] + p + 1 for r, p in enumerate(local_parents)]) if num.sum() else np.zeros(0, np.int64)
     to = lambda a: to_device(np.asarray(a, dtype=np.int64), device)  # noqa: E731
     flat_ids = [t for ids in token_ids for t in ids]
     trees = any(p is not None and not tree.is_chain(p) for p in parents) if with_children is None else with_children
     return VerifyMetadata(
-        num_draft_tokens=to(k),
+        num_draft_tokens=to(num),
         cu_num_draft_tokens=to(cu),
         draft_token_ids=to(flat_ids),
         request_index=to(request_index),
         target_logits_indices=to(target),
-        bonus_logits_indices=to(first + k),
+        bonus_logits_indices=to(first + num),
         first_rows=to(first),
-        draft_probs=_stack_probs(flat_ids, probs, k, vocab_size, device),
-        children=to(_children(local_parents, first, cu - k)) if trees else None,
-        max_num_draft_tokens=int(k.max()) if len(k) else 0,
+        draft_probs=_stack_probs(flat_ids, probs, num, vocab_size, device),
+        children=to(_children(local_parents, first, cu - num)) if trees else None,
+        max_num_draft_tokens=int(num.max()) if len(num) else 0,
         max_depth=max((int(tree.depths(tuple(p.tolist())).max()) + 1 for p in local_parents if len(p)), default=0),
     )
 
 
-def _stack_probs(flat_ids: list[int], probs, k: np.ndarray, vocab_size: int, device) -> torch.Tensor | None:
+def _stack_probs(flat_ids: list[int], probs, num_draft_tokens: np.ndarray, vocab_size: int,
+                 device) -> torch.Tensor | None:
     """q [D, V]: a draft's own ``probs`` where its request has them, one-hot at the drafted
     token where it has none (a deterministic drafter). None when no request has probs:
     the samplers then take every q as one-hot themselves."""
@@ -97,8 +98,8 @@ def _stack_probs(flat_ids: list[int], probs, k: np.ndarray, vocab_size: int, dev
         return None
     q = torch.zeros(len(flat_ids), vocab_size, device=device)
     q[torch.arange(len(flat_ids), device=device), to_device(flat_ids, device, torch.long)] = 1.0
-    start = np.cumsum(k) - k
-    for p, s, n in zip(probs, start, k):
+    start = np.cumsum(num_draft_tokens) - num_draft_tokens
+    for p, s, n in zip(probs, start, num_draft_tokens):
         if p is not None:
             q[s : s + n] = p
     return q

@@ -4,9 +4,9 @@ A step's plan is a pure function of what was recorded before the step::
 
     candidates = [Candidate(id, context class, isolated), ...]   # asked before scheduling
     plan = policy.plan(candidates, num_running)                 # changes no state
-    scheduler.schedule(plan.num_draft_slots)                    # {request id: slots}
+    scheduler.schedule(plan.num_draft_tokens)                    # {request id: slots}
     ... draft, verify ...
-    policy.record(id, plan.decisions[id], num_drafted, num_accepted)  # requests that ran
+    policy.record(id, plan.decisions[id], num_draft_tokens, num_accepted)  # requests that ran
     policy.end_step(plan)
 
 Only ``record`` and ``end_step`` change the policy's state. A request planned but
@@ -184,8 +184,8 @@ class ClassState:
         t = self.tested
         return self.rates[:t] + [self.rates[t - 1]] * (len(self.rates) - t) if t else self.rates
 
-    def update(self, num_drafted: int, num_accepted: int, weight: float) -> None:
-        tested = min(num_accepted + 1, num_drafted)  # positions whose accept test ran
+    def update(self, num_draft_tokens: int, num_accepted: int, weight: float) -> None:
+        tested = min(num_accepted + 1, num_draft_tokens)  # positions whose accept test ran
         for i in range(tested):
             self.rates[i] = (1 - weight) * self.rates[i] + weight * (i < num_accepted)
         self.tested = max(self.tested, tested)
@@ -227,7 +227,7 @@ class Candidate:
 class Decision:
     """The plan for one request; ``record`` applies it once the request has run."""
 
-    num_draft_slots: int
+    num_draft_tokens: int
     context_class: int | None
     pause: bool = False  # drafts do not pay: the class stops drafting for a while
     isolated: bool = False  # the candidate's ``isolated``
@@ -243,14 +243,14 @@ class StepPlan:
     batch: int = 0  # decoding requests of the step
 
     @property
-    def num_draft_slots(self) -> dict[str, int]:
+    def num_draft_tokens(self) -> dict[str, int]:
         """Request id -> draft slots, for the requests that draft: what the scheduler takes."""
-        return {rid: d.num_draft_slots for rid, d in self.decisions.items() if d.num_draft_slots}
+        return {rid: d.num_draft_tokens for rid, d in self.decisions.items() if d.num_draft_tokens}
 
     @property
     def isolated(self) -> frozenset[str]:
         """The requests that draft and are isolated: the scheduler never cuts their slots."""
-        return frozenset(rid for rid, d in self.decisions.items() if d.num_draft_slots and d.isolated)
+        return frozenset(rid for rid, d in self.decisions.items() if d.num_draft_tokens and d.isolated)
 
 
 class SpecPolicy:
@@ -345,7 +345,7 @@ class SpecPolicy:
             if not (shared_planned or c.isolated):
                 continue
             d = self._decide(c, batch, rows)
-            rows += d.num_draft_slots
+            rows += d.num_draft_tokens
             decisions[c.request_id] = d
         return StepPlan(decisions, batch)
 
@@ -372,28 +372,28 @@ class SpecPolicy:
         if self._now(st, alone) < cs.paused_until:
             return Decision(0, key, isolated=alone)
         v = self._verify_costs(batch, rows, alone)
-        gamma, gain, template = self._best_round(cs, k, v, c.trees)
+        num_draft_tokens, gain, template = self._best_round(cs, k, v, c.trees)
         pooled = None if alone else self.pooled.get(key)
         if gain < 1.0 and pooled is not None:  # the long run's second opinion
             pooled_choice = self._best_round(pooled, k, v, c.trees)
             if pooled_choice[1] >= 1.0:
-                gamma, gain, template = pooled_choice
+                num_draft_tokens, gain, template = pooled_choice
         if gain < 1.0:
             if not cs.probing:
                 return Decision(0, key, pause=True, isolated=alone, fresh=fresh)
-            gamma, template = 1, None  # a probe after a pause: the cheapest test of whether drafts pay again
-        return Decision(gamma, key, isolated=alone, fresh=fresh, template=template)
+            num_draft_tokens, template = 1, None  # a probe after a pause: the cheapest test of whether drafts pay again
+        return Decision(num_draft_tokens, key, isolated=alone, fresh=fresh, template=template)
 
     def _best_round(self, cs: ClassState, k: int, v: list[float], trees: bool):
         """``(drafts, gain, tree template or None)``: the best chain, or tree where allowed
         and better, by the record ``cs``; ``v``: ``_verify_costs``."""
         rates = cs.estimate()
-        gamma, gain = self._best_chain(rates, k, v)
+        num_draft_tokens, gain = self._best_chain(rates, k, v)
         if trees and (self.static or self.config.tree_width > 1):
             shape, tree_gain = self._best_tree(rates, cs.siblings, v)
             if tree_gain > gain and not tree.is_chain(shape):
                 return len(shape), tree_gain, shape
-        return gamma, gain, None
+        return num_draft_tokens, gain, None
 
     def _fresh(self, key: int, isolated: bool) -> ClassState:
         """A request's first record of a class: the pooled one's rates, else (or when
@@ -425,9 +425,10 @@ class SpecPolicy:
         cs = st.classes.get(st.last_class) if st is not None else None
         return cs is not None and self._now(st, st.isolated) < cs.paused_until
 
-    def record(self, request_id: str, decision: Decision, num_drafted: int, num_accepted: int, outcomes=None) -> None:
+    def record(self, request_id: str, decision: Decision, num_draft_tokens: int, num_accepted: int,
+               outcomes=None) -> None:
         """After verification of a request that ran with ``decision``: ``num_accepted``
-        of ``num_drafted`` drafts were kept; ``outcomes``: for a token tree, what was
+        of ``num_draft_tokens`` drafts were kept; ``outcomes``: for a token tree, what was
         tried per depth (``engine.spec_decode.tree.walk``). The only place a request's record changes."""
         st = self.states.get(request_id)
         if st is None:
@@ -442,15 +443,15 @@ class SpecPolicy:
             cs = st.classes[key] = decision.fresh or self._fresh(key, st.isolated)
         if decision.pause:
             self._pause(cs, key, st.isolated, now)
-        if num_drafted == 0:
+        if num_draft_tokens == 0:
             return
         st.num_drafts += 1
-        st.num_draft_tokens += num_drafted
+        st.num_draft_tokens += num_draft_tokens
         st.num_accepted_tokens += num_accepted
         pooled = self.pooled.setdefault(key, ClassState([PRIOR_ACCEPTANCE] * self.config.num_speculative_tokens))
         for record, weight in ((cs, EMA), (pooled, POOLED_EMA)):
             if outcomes is None:
-                record.update(num_drafted, num_accepted, weight)
+                record.update(num_draft_tokens, num_accepted, weight)
             else:
                 tested = tree_policy.update(record.rates, record.siblings, outcomes, weight)
                 record.tested = max(record.tested, tested)
@@ -467,7 +468,7 @@ class SpecPolicy:
         shared candidate, such as a step of prompts only, does not count), then the next step."""
         shared = [d for d in plan.decisions.values() if not d.isolated] if plan is not None else []
         if shared:  # none while the bucket is paused
-            self.batch_pauses.record(self.step, plan.batch, any(d.num_draft_slots for d in shared))
+            self.batch_pauses.record(self.step, plan.batch, any(d.num_draft_tokens for d in shared))
         self.step += 1
 
     def free(self, request_id: str) -> SpecState | None:

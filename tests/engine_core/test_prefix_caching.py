@@ -69,26 +69,26 @@ def spec_step(sched, rng: random.Random):
     pool, bs = sched.kv.pool, sched.kv.block_size
     tables = {s.request_id: list(sched.kv.block_table(s.request_id)) for s in out.scheduled}
     for s in out.scheduled:
-        for pos in range(s.context_len, s.context_len + len(s.token_ids) + s.num_draft_slots):
+        for pos in range(s.context_len, s.context_len + len(s.token_ids) + s.num_draft_tokens):
             block = tables[s.request_id][pos // bs]
             assert pool.ref_count(block) == 1 and not pool.is_cached(block), (s.request_id, pos)
     sampled, accepted = {}, {}
     for s in out.scheduled:
         if not s.sample:
             continue
-        k = s.num_draft_slots
+        k = s.num_draft_tokens
         j = rng.randint(0, k)
         tokens = [fake_token(sched.requests[s.request_id])] * (j + 1)  # accepted drafts + recovered / bonus token
         sampled[s.request_id] = tokens
         if k:
             accepted[s.request_id] = j
-    sched.update(out, RunnerOutput(sampled, num_drafted={r: 3 for r in accepted}, num_accepted=accepted))
+    sched.update(out, RunnerOutput(sampled, num_draft_tokens={r: 3 for r in accepted}, num_accepted=accepted))
     for req in sched.running:  # registered blocks hold verified positions only
         table = sched.kv.block_table(req.request_id)
         cached = [i for i, b in enumerate(table) if pool.is_cached(b)]
         assert all((i + 1) * bs <= req.num_computed_tokens for i in cached)
     rolled_back = sum(
-        len(sched.kv.block_table(s.request_id)) < len(tables[s.request_id]) for s in out.scheduled if s.num_draft_slots
+        len(sched.kv.block_table(s.request_id)) < len(tables[s.request_id]) for s in out.scheduled if s.num_draft_tokens
     )
     return out, rolled_back
 

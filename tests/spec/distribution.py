@@ -121,7 +121,7 @@ class SpecCounts:
         def execute_and_count(out, *args):
             before = {s.request_id: engine.scheduler.requests[s.request_id].num_output_tokens for s in out.scheduled}
             result = execute(out, *args)
-            for rid, k in result.num_drafted.items():
+            for rid, k in result.num_draft_tokens.items():
                 if result.num_accepted[rid] == k:
                     self.bonus[before[rid] + k] += 1  # the drafts took positions before .. before + k - 1
             return result

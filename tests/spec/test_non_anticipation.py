@@ -26,7 +26,7 @@ class ConstantDrafter(Drafter):
         self.token = token
 
     def propose(self, slots):
-        return {s.request.request_id: Draft([self.token] * s.num_tokens) for s in slots}
+        return {s.request.request_id: Draft([self.token] * s.num_draft_tokens) for s in slots}
 
 
 def plans_and_drafts(engine, params: SamplingParams, n: int = 8):
@@ -39,19 +39,19 @@ def plans_and_drafts(engine, params: SamplingParams, n: int = 8):
 
     def planned(candidates, num_running):
         out = plan(candidates, num_running)
-        events[-1].extend(("plan", rid, d.num_draft_slots) for rid, d in out.decisions.items())
+        events[-1].extend(("plan", rid, d.num_draft_tokens) for rid, d in out.decisions.items())
         return out
 
     def drafted(slots):
         drafts = propose(slots)
         for s in slots:
             proposed[s.request.request_id] = len(drafts[s.request.request_id].token_ids)
-            events[-1].append(("draft", s.request.request_id, s.num_tokens))
+            events[-1].append(("draft", s.request.request_id, s.num_draft_tokens))
         return drafts
 
     def verified(out, *args):
         result = execute(out, *args)
-        for rid, k in result.num_drafted.items():
+        for rid, k in result.num_draft_tokens.items():
             events[-1].append(("verified", rid, proposed.pop(rid), k))
         return result
 

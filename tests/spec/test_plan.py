@@ -28,7 +28,7 @@ def test_planning_twice_mid_run_gives_the_same_plan_and_changes_nothing(tiny_mod
         first, second = engine._plan(), engine._plan()
         assert first == second
         assert policy_state(engine.policy) == before
-        plans += bool(first.num_draft_slots)
+        plans += bool(first.num_draft_tokens)
         engine.step()
     assert plans > 3 and engine.policy.states == {}  # it did plan drafts; every record freed at the end
 
@@ -39,7 +39,7 @@ def test_a_plan_that_is_not_run_leaves_no_trace():
     policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 0.0, StepCosts.linear(0.05))
     policy.pooled[0] = ClassState([0.0] * 4, tested=4)  # drafts never pay: the plan pauses
     d = policy.plan([Candidate("r", 0)], 1).decisions["r"]
-    assert d.pause and d.num_draft_slots == 0
+    assert d.pause and d.num_draft_tokens == 0
     policy.end_step()  # "r" was preempted: nothing recorded
     assert "r" not in policy.states and not policy.is_paused("r")
     d = policy.plan([Candidate("r", 0)], 1).decisions["r"]

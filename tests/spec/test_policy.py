@@ -33,16 +33,16 @@ def test_survival_of_conditional_rates():
 
 def slots(policy: SpecPolicy, rid: str = "r", klass: int | None = 0, num_running: int = 1) -> int:
     """The plan's draft slots for one request (a pure query)."""
-    return policy.plan([Candidate(rid, klass)], num_running).num_draft_slots.get(rid, 0)
+    return policy.plan([Candidate(rid, klass)], num_running).num_draft_tokens.get(rid, 0)
 
 
 def step(policy: SpecPolicy, rid: str = "r", accepted: int = 0, drafted: int | None = None, klass: int | None = 0) -> int:
     """One engine step of one request: plan, verify ``drafted`` drafts (default: every slot)
     of which ``accepted`` are kept, record, end the step. Returns the planned slots."""
     d = policy.plan([Candidate(rid, klass)], 1).decisions[rid]
-    policy.record(rid, d, d.num_draft_slots if drafted is None else drafted, min(accepted, d.num_draft_slots))
+    policy.record(rid, d, d.num_draft_tokens if drafted is None else drafted, min(accepted, d.num_draft_tokens))
     policy.end_step()
-    return d.num_draft_slots
+    return d.num_draft_tokens
 
 
 def test_copying_raises_the_draft_length_and_misses_pause_drafting():
@@ -88,8 +88,8 @@ def test_the_pooled_rates_keep_a_request_drafting_through_a_run_of_misses():
     assert slots(policy) > 0 and not policy.is_paused("r")
     seeded = policy.plan([Candidate("s", 0, isolated=True)], 1).decisions["s"]
     misses = 0
-    while seeded.num_draft_slots:
-        policy.record("s", seeded, seeded.num_draft_slots, 0)
+    while seeded.num_draft_tokens:
+        policy.record("s", seeded, seeded.num_draft_tokens, 0)
         policy.end_step()
         seeded, misses = policy.plan([Candidate("s", 0, isolated=True)], 1).decisions["s"], misses + 1
     assert seeded.pause and misses < 10
@@ -129,7 +129,7 @@ def test_a_request_new_to_a_class_whose_probes_keep_missing_waits_longer_before_
     assert policy.states["d"].classes[0].paused_until == policy.step - 1 + 64
     assert policy.plan([Candidate("e", 0, isolated=True)], 1).decisions["e"].fresh.pause_len == 8
     probe = policy.plan([Candidate("c", 0)], 1).decisions["c"]
-    while not probe.num_draft_slots:
+    while not probe.num_draft_tokens:
         policy.end_step()
         probe = policy.plan([Candidate("c", 0)], 1).decisions["c"]
     policy.record("c", probe, 1, 1)
@@ -192,10 +192,10 @@ def test_the_first_request_to_draft_in_a_step_bears_the_passs_fixed_cost():
     for p in (cheap, dear):
         p.pooled[0] = ClassState([0.7], tested=1)
     candidates = [Candidate(f"r{i}", 0) for i in range(16)]
-    assert sum(cheap.plan(candidates, 16).num_draft_slots.values()) == 16
-    assert dear.plan(candidates, 16).num_draft_slots == {}
+    assert sum(cheap.plan(candidates, 16).num_draft_tokens.values()) == 16
+    assert dear.plan(candidates, 16).num_draft_tokens == {}
     seeded = candidates[:-1] + [Candidate("seeded", 0, isolated=True)]  # last in order, planned first
-    assert dear.plan(seeded, 16).num_draft_slots == {c.request_id: 1 for c in seeded}
+    assert dear.plan(seeded, 16).num_draft_tokens == {c.request_id: 1 for c in seeded}
 
 
 def test_a_batch_size_whose_plans_grant_nothing_stops_planning_for_a_while():
@@ -210,12 +210,12 @@ def test_a_batch_size_whose_plans_grant_nothing_stops_planning_for_a_while():
     for _ in range(IDLE_PLANS):
         assert policy.plans_shared(16) and policy.plans_shared(20)
         plan = policy.plan(candidates, 16)
-        assert plan.num_draft_slots.keys() == {"seeded"}  # priced alone, as at batch 1
+        assert plan.num_draft_tokens.keys() == {"seeded"}  # priced alone, as at batch 1
         policy.end_step(plan)
     assert not policy.plans_shared(16) and not policy.plans_shared(31) and policy.plans_shared(32)
     assert policy.plans_shared(4)
     plan = policy.plan(candidates, 16)
-    assert set(plan.decisions) == set(plan.num_draft_slots) == {"seeded"}
+    assert set(plan.decisions) == set(plan.num_draft_tokens) == {"seeded"}
     for _ in range(MIN_BATCH_PAUSE - 1):
         policy.end_step(policy.plan(candidates, 16))
     assert not policy.plans_shared(16)
@@ -230,6 +230,6 @@ def test_a_batch_size_whose_plans_grant_nothing_stops_planning_for_a_while():
     policy.pooled[0] = ClassState([0.95] * 4, tested=4)  # drafting pays: planning goes on
     for _ in range(3 * IDLE_PLANS):
         plan = policy.plan([Candidate(f"n{i}", 0) for i in range(16)], 16)
-        assert plan.num_draft_slots
+        assert plan.num_draft_tokens
         policy.end_step(plan)
     assert policy.plans_shared(16)

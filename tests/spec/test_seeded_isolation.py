@@ -39,7 +39,7 @@ def serve(e, requests: dict[str, SamplingParams]) -> dict[str, tuple[list[int], 
 
     def logged(out, *args):
         result = execute(out, *args)
-        for rid, k in result.num_drafted.items():
+        for rid, k in result.num_draft_tokens.items():
             rounds[rid].append(k)
         return result
 
@@ -94,12 +94,12 @@ def test_isolation_is_for_seeded_requests_only(seed):
     def plan(p: SpecPolicy, rid: str, num_running: int = 1):
         return p.plan([Candidate(rid, 0, isolated=seed is not None)], num_running).decisions[rid]
 
-    alone = plan(SpecPolicy(config, 0.05, BATCH_COSTS), "a").num_draft_slots  # a fresh server, no history
+    alone = plan(SpecPolicy(config, 0.05, BATCH_COSTS), "a").num_draft_tokens  # a fresh server, no history
     policy.pooled[0] = ClassState([0.0] * 4, tested=4)  # earlier requests: every draft rejected
     first = plan(policy, "b")
     policy.pooled[0] = ClassState([0.9] * 4, tested=4)  # ... or nearly every draft accepted
-    crowded = plan(policy, "c", num_running=16).num_draft_slots
-    first, paused = first.num_draft_slots, first.pause
+    crowded = plan(policy, "c", num_running=16).num_draft_tokens
+    first, paused = first.num_draft_tokens, first.pause
     if seed is None:  # the pooled rates and the batch both count
         assert first == 0 and paused
         assert crowded not in (0, alone)
@@ -108,7 +108,7 @@ def test_isolation_is_for_seeded_requests_only(seed):
 
 
 def isolated_slots(policy: SpecPolicy, rid: str, isolated: bool = True) -> int:
-    return policy.plan([Candidate(rid, 0, isolated=isolated)], 1).decisions[rid].num_draft_slots
+    return policy.plan([Candidate(rid, 0, isolated=isolated)], 1).decisions[rid].num_draft_tokens
 
 
 def test_a_seeded_request_is_priced_by_the_start_up_costs_whatever_the_tracker_makes_of_them():
@@ -130,7 +130,7 @@ def test_a_seeded_requests_pause_runs_on_its_own_steps():
         policy = SpecPolicy(config, 0.05, StepCosts.linear(0.05))
         d = policy.plan([Candidate("r", 0, isolated=isolated)], 1).decisions["r"]
         while not d.pause:  # every draft rejected until drafting stops paying
-            policy.record("r", d, d.num_draft_slots, 0)
+            policy.record("r", d, d.num_draft_tokens, 0)
             policy.end_step()
             d = policy.plan([Candidate("r", 0, isolated=isolated)], 1).decisions["r"]
         policy.record("r", d, 0, 0)

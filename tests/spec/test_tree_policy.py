@@ -106,20 +106,20 @@ def test_siblings_that_pay_give_trees_and_siblings_that_never_do_give_chains():
             p.record("r", d, len(d.template), 4, outcomes=[(1, 0)] * 4)
         p.end_step()
     d = decide(p, req)
-    assert d.num_draft_slots == 4 and d.template is None
+    assert d.num_draft_tokens == 4 and d.template is None
 
 
 def test_without_adaptive_every_round_uses_the_configured_tree():
     d = decide(policy(adaptive=False), request())
-    assert d.num_draft_slots == 12 and len(d.template) == 12
+    assert d.num_draft_tokens == 12 and len(d.template) == 12
     static = SpeculativeConfig(method="early_exit", adaptive=False, speculative_token_tree=[[0], [1], [0, 0]])
     d = decide(SpecPolicy(static, 0.1, StepCosts.linear(0.05)), request())
-    assert d.num_draft_slots == 3 and d.template == (-1, -1, 0)
+    assert d.num_draft_tokens == 3 and d.template == (-1, -1, 0)
 
 
 def test_a_request_under_a_grammar_gets_chains():
     d = decide(policy(adaptive=False), Request("r", 0, trees=False))
-    assert d.num_draft_slots == 4 and d.template is None
+    assert d.num_draft_tokens == 4 and d.template is None
 
 
 @pytest.mark.parametrize("bad", [
