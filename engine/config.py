@@ -184,7 +184,19 @@ class SpeculativeConfig:
         if self.speculative_token_tree is not None:
             if self.method == "ngram":
                 raise ValueError('"speculative_token_tree" is for model drafters; ngram grows trees from "tree_width"')
-            self.static_tree()  # validates
+            self._check_tree_depth(self.static_tree())  # validates
+
+    def _check_tree_depth(self, parents: tuple[int, ...]) -> None:
+        """A round accepts at most ``num_speculative_tokens`` drafts: the policy's records and
+        the metrics' per-position counts have that many places."""
+        from engine.spec_decode.tree import depths
+
+        depth = int(depths(parents).max()) + 1
+        if depth > self.num_speculative_tokens:
+            raise ValueError(
+                f"speculative_token_tree is {depth} nodes deep, more than num_speculative_tokens="
+                f"{self.num_speculative_tokens}: set num_speculative_tokens to {depth} or more, or use a shallower tree"
+            )
 
     @property
     def uses_trees(self) -> bool:

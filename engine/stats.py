@@ -26,7 +26,7 @@ class SpecStepStats:
     num_drafts: int  # requests that verified at least one draft
     num_draft_tokens: int
     num_accepted_tokens: int
-    accepted_per_pos: tuple[int, ...]  # [k]: accepted drafts at each position
+    accepted_per_pos: tuple[int, ...]  # accepted drafts at each position, as deep as the step's longest run
     tokens_per_round: tuple[int, ...]  # tokens emitted by each drafting request
     num_paused: int  # requests whose drafting is paused
     num_fallbacks: int = 0  # 1 when the drafter failed this step and its requests decoded plainly
@@ -51,8 +51,7 @@ class StepStats:
 def make_step_stats(engine, scheduled, result, touched, times: StepTimes) -> StepStats:
     spec = None
     if engine.policy is not None:
-        k = engine.config.speculative.num_speculative_tokens
-        per_pos = [0] * k
+        per_pos = [0] * max(result.num_accepted.values(), default=0)
         for acc in result.num_accepted.values():
             for i in range(acc):
                 per_pos[i] += 1

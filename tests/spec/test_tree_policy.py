@@ -130,3 +130,11 @@ def test_a_request_under_a_grammar_gets_chains():
 def test_bad_tree_config_is_refused(bad):
     with pytest.raises(ValueError):
         SpeculativeConfig(**{"method": "early_exit", **bad})
+
+
+def test_a_static_tree_deeper_than_num_speculative_tokens_is_refused():
+    """A round accepts at most num_speculative_tokens drafts; a deeper tree could accept more."""
+    deep = [[0], [0, 0], [0, 0, 0]]
+    with pytest.raises(ValueError, match="3 nodes deep, more than num_speculative_tokens=2"):
+        SpeculativeConfig(method="early_exit", num_speculative_tokens=2, speculative_token_tree=deep)
+    assert SpeculativeConfig(method="early_exit", num_speculative_tokens=3, speculative_token_tree=deep).static_tree() == (-1, 0, 1)
