@@ -8,8 +8,8 @@ ids and counts only (no torch) and hands the runner one frozen
 A request crosses once, whole, the first time it is scheduled
 (``NewRequest``); after that each step sends only what changed
 (``ScheduledRequest``): the tokens to compute, the block ids appended to its
-table (after a rollback or a preemption, from the first block that changed),
-and its draft slots. The runner keeps the rest keyed by request id.
+table (after a preemption, from the first block that changed), and its
+number of draft tokens. The runner keeps the rest keyed by request id.
 
 Order: running requests first, oldest first, then waiting ones while the token
 budget, ``max_num_seqs`` and free blocks allow. When a running request cannot
@@ -53,7 +53,7 @@ class ScheduledRequest:
     token_ids: tuple[int, ...]  # tokens computed this step: positions context_len ..
     context_len: int  # tokens already in the KV cache
     # The block table is ``runner's table[:block_start] + new_block_ids``: blocks appended
-    # this step, or (after a rollback or a preemption) from the first block that changed.
+    # this step, or (after a preemption) from the first block that changed.
     block_start: int
     new_block_ids: tuple[int, ...]
     sample: bool  # the last token's logits give the next token (False mid-prompt and for max_tokens 0)
@@ -268,14 +268,17 @@ class Scheduler:
         )
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
-        """Advance computed counts, append sampled tokens, apply stops, roll back.
+        """Advance computed counts, append sampled tokens, apply stops.
 
-        The KV entries of accepted drafts are kept (they were computed on the
-        right prefix); those of rejected drafts are simply not counted, and
-        blocks holding only rejected entries are freed. Full blocks of verified
-        tokens (below the new ``num_computed_tokens``, accepted drafts now being
-        committed tokens) enter the prefix cache. Returns the requests that got
-        new tokens (finished ones included, their blocks released).
+        Rollback is "do not commit": the KV entries of accepted drafts are kept
+        (they were computed on the right prefix); those of rejected drafts are
+        simply not counted, and the next step overwrites them. Their blocks stay in
+        the request's table for its next drafts (freeing them would put them at the
+        back of the free queue and take the next ones from its front, evicting a
+        cached prefix every step). Full blocks of verified tokens (below the new
+        ``num_computed_tokens``, accepted drafts now being committed tokens) enter
+        the prefix cache. Returns the requests that got new tokens (finished ones
+        included, their blocks released).
         """
         touched = []
         for s in out.scheduled:
@@ -299,8 +302,4 @@ class Scheduler:
                 touched.append(req)
             if req.is_finished:
                 self.finish(req, req.finish_reason)
-            elif tokens and s.num_draft_tokens:
-                self.kv.truncate(rid, req.num_tokens)
-                synced = self._num_synced_blocks
-                synced[rid] = min(synced[rid], len(self.kv.block_table(rid)))
         return touched

@@ -8,8 +8,9 @@ slots ``block_table[pos // block_size] * block_size + pos % block_size``::
     slot:     28 29 30 31 | 8  9 10 11
 
 ``allocate_slots`` grows a table to cover a number of tokens before a forward
-pass writes them; ``truncate`` is the rollback (it frees the blocks that no
-longer hold any kept position); ``free`` releases everything. No torch here.
+pass writes them; ``truncate`` frees the blocks past a kept length (a drafter's
+own cache rolls back with it; the target's tables keep their draft blocks, see
+``Scheduler.update``); ``free`` releases everything. No torch here.
 
 Prefix caching (``enable_prefix_caching``): after each step the scheduler
 passes the request's verified length to ``cache_blocks``, which registers the

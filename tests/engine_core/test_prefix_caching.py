@@ -63,7 +63,9 @@ def test_cache_off_admits_from_zero_and_counts_nothing():
 def spec_step(sched, rng: random.Random):
     """schedule -> fake drafts and verification (a random number accepted) -> update.
     Before the 'forward', checks that every slot written this step (the computed
-    tokens and the draft slots) lies in a private, uncached block."""
+    tokens and the draft slots) lies in a private, uncached block; after it, that no
+    table shrank (rejected drafts keep their blocks). Returns the step's output and how
+    many requests had drafts rejected."""
     out = sched.schedule({r.request_id: 3 for r in sched.running})  # the plan: 3 drafts for every decode
     check_runner_tables(sched, out, sched.__dict__.setdefault("runner_tables", {}))  # through rollbacks too
     pool, bs = sched.kv.pool, sched.kv.block_size
@@ -72,7 +74,7 @@ def spec_step(sched, rng: random.Random):
         for pos in range(s.context_len, s.context_len + len(s.token_ids) + s.num_draft_tokens):
             block = tables[s.request_id][pos // bs]
             assert pool.ref_count(block) == 1 and not pool.is_cached(block), (s.request_id, pos)
-    sampled, accepted = {}, {}
+    sampled, accepted, rejected = {}, {}, 0
     for s in out.scheduled:
         if not s.sample:
             continue
@@ -82,36 +84,61 @@ def spec_step(sched, rng: random.Random):
         sampled[s.request_id] = tokens
         if k:
             accepted[s.request_id] = j
+            rejected += j < k
     sched.update(out, RunnerOutput(sampled, num_draft_tokens={r: 3 for r in accepted}, num_accepted=accepted))
     for req in sched.running:  # registered blocks hold verified positions only
         table = sched.kv.block_table(req.request_id)
         cached = [i for i, b in enumerate(table) if pool.is_cached(b)]
         assert all((i + 1) * bs <= req.num_computed_tokens for i in cached)
-    rolled_back = sum(
-        len(sched.kv.block_table(s.request_id)) < len(tables[s.request_id]) for s in out.scheduled if s.num_draft_tokens
-    )
-    return out, rolled_back
+    for s in out.scheduled:
+        if s.request_id in sched.requests:
+            assert len(sched.kv.block_table(s.request_id)) >= len(tables[s.request_id])
+    return out, rejected
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_speculation_never_writes_into_or_rolls_back_a_shared_block(seed):
+def test_speculation_never_writes_into_a_shared_block(seed):
     """Shared blocks cover positions below num_computed_tokens, drafts are written at
-    or above it: no copy-on-write is needed, and truncate (which raises on a shared
-    block) only frees draft blocks."""
+    or above it: no copy-on-write is needed, and a rejected draft's slot stays private."""
     rng = random.Random(seed)
     sched = create_scheduler(
         num_blocks=64, block_size=4, max_model_len=128, enable_prefix_caching=True
     )
     common = [rng.randrange(50) for _ in range(13)]
-    hits = rollbacks = 0
+    hits = rejections = 0
     for i in range(6):
         sched.add(request(f"r{i}", common + [rng.randrange(50) for _ in range(i)], max_tokens=30))
         out, _ = spec_step(sched, rng)
         hits += out.num_prefix_cache_hits
     while sched.requests:
-        rollbacks += spec_step(sched, rng)[1]
-    assert hits > 0 and rollbacks > 0
+        rejections += spec_step(sched, rng)[1]
+    assert hits > 0 and rejections > 0
     assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks
+
+
+def test_rejected_drafts_do_not_evict_cached_prefixes():
+    """Rollback is "do not commit": a request whose drafts are all rejected keeps its
+    reserved draft blocks instead of freeing and re-taking one every step, so the prefix
+    cache keeps what fits beside it. Here a finished request's 3 cached blocks and a
+    drafting request's 11 (positions 0 .. 42: its drafts never pass max_tokens) fit in 16."""
+    sched = create_scheduler(num_blocks=16, block_size=4, max_model_len=64, enable_prefix_caching=True)
+    prompt = list(range(10, 22))
+    sched.add(request("a", prompt, max_tokens=1))  # 12 tokens computed: 3 full blocks cached
+    while sched.requests:
+        step(sched)
+    assert sched.kv.pool.num_cached_blocks == 3
+    b = request("b", [1, 2, 3, 4], max_tokens=40)
+    sched.add(b)
+    taken = 0
+    while sched.requests:
+        before = sched.kv.num_free_blocks
+        out = sched.schedule({r.request_id: 3 for r in sched.running})  # 3 drafts, every one rejected
+        taken += max(0, before - sched.kv.num_free_blocks)
+        sampled = {s.request_id: [fake_token(sched.requests[s.request_id])] for s in out.scheduled if s.sample}
+        drafted = {s.request_id: s.num_draft_tokens for s in out.scheduled if s.num_draft_tokens}
+        sched.update(out, RunnerOutput(sampled, num_draft_tokens=drafted, num_accepted={r: 0 for r in drafted}))
+    assert b.num_output_tokens == 40 and taken == 11  # each block taken once
+    assert len(sched.kv.find_cached_prefix("a-again", prompt + [0])) == 3  # the prefix is still cached
 
 
 def test_eviction_under_pressure_then_a_lookup_misses():
