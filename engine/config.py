@@ -83,7 +83,6 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 64  # running requests at once
     max_num_batched_tokens: int = 512  # token budget of one step (prefill chunk size)
-    max_waiting: int = 1024  # waiting-queue length beyond which requests are refused
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

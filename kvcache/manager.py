@@ -36,9 +36,6 @@ import numpy as np
 from kvcache.block_hash import extend_chain
 from kvcache.block_pool import BlockPool
 
-PAD_SLOT = -1  # slot of a token whose KV must not be written
-
-
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 

@@ -172,7 +172,6 @@ class ServerSettings(BaseSettings):
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
-                max_waiting=self.max_waiting,
             ),
             speculative=SpeculativeConfig.from_dict(self.speculative_config),
             parallel=ParallelConfig(

@@ -5,7 +5,6 @@ from engine.attention.metadata import (
     AttentionMetadata,
     SeqSpec,
     build_attention_metadata,
-    tree_depths,
     tree_mask,
 )
 
@@ -16,6 +15,5 @@ __all__ = [
     "build_attention_metadata",
     "paged_attention",
     "select_backend",
-    "tree_depths",
     "tree_mask",
 ]

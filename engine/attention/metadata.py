@@ -33,6 +33,7 @@ import torch
 
 from engine.spec_decode import tree
 from engine.transfer import to_device
+from kvcache.manager import slot_mapping
 
 # Requests with more new tokens than this are attended on their own.
 MAX_BATCHED_QUERY = 64
@@ -137,17 +138,9 @@ def tree_mask(parents: tuple[int, ...]) -> np.ndarray:
     return mask
 
 
-def tree_depths(parents: tuple[int, ...]) -> np.ndarray:
-    """Depth of each new token below the committed prefix (0 for roots)."""
-    depth = np.zeros(len(parents), dtype=np.int64)
-    for i, p in enumerate(parents):
-        depth[i] = depth[p] + 1 if p >= 0 else 0
-    return depth
-
-
 def window_binds(spec: SeqSpec, window: int) -> bool:
     """Whether some query of ``spec`` sits ``window`` or more positions after position 0."""
-    depth = int(tree_depths(spec.parents).max()) if spec.parents else spec.query_len - 1
+    depth = int(tree.depths(spec.parents).max()) if spec.parents else spec.query_len - 1
     return spec.context_len + depth >= window
 
 
@@ -158,16 +151,10 @@ def window_mask(spec: SeqSpec, window: int) -> np.ndarray:
     >>> window_mask(SeqSpec(2, 2, [0]), 2).astype(int).tolist()
     [[0, 1, 1, 1], [0, 0, 1, 1]]
     """
-    depth = tree_depths(spec.parents) if spec.parents else np.arange(spec.query_len)
+    depth = tree.depths(spec.parents) if spec.parents else np.arange(spec.query_len)
     q_pos = spec.context_len + depth
     k_pos = np.concatenate([np.arange(spec.context_len), q_pos])
     return q_pos[:, None] - k_pos[None, :] < window
-
-
-def token_slots(block_table: list[int], n: int, block_size: int) -> np.ndarray:
-    """[n] KV slot of positions 0 .. n-1 of a request with ``block_table``."""
-    pos = np.arange(n, dtype=np.int64)
-    return np.asarray(block_table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
 
 
 def _solo(spec: SeqSpec, start: int, block_size: int, device, window: int | None = None) -> SoloQuery:
@@ -184,7 +171,7 @@ def _solo(spec: SeqSpec, start: int, block_size: int, device, window: int | None
     elif blocks == list(range(blocks[0], blocks[0] + len(blocks))):
         span = (blocks[0] * block_size, kv_len)
     else:
-        slots = to_device(token_slots(spec.block_table, kv_len, block_size), device)
+        slots = to_device(slot_mapping(spec.block_table, 0, kv_len, block_size), device)
     if spec.query_len == 1 and chain and not windowed:
         return SoloQuery(start, end, slots, span, None, causal=False)  # one token sees everything
     mask = np.ones((spec.query_len, kv_len), dtype=bool)
@@ -258,9 +245,9 @@ def build_attention_metadata(specs: list[SeqSpec], block_size: int, device="cpu"
     every query of every step the same way (a token's bits never depend on its step).
     ``window``: for layers that see the last ``window`` positions."""
     starts = np.concatenate([[0], np.cumsum([s.query_len for s in specs])]).tolist()
-    all_slots = [token_slots(s.block_table, s.context_len + s.query_len, block_size) for s in specs]
-    slot_mapping = np.concatenate([slots[s.context_len :] for s, slots in zip(specs, all_slots)])
-    meta = AttentionMetadata(to_device(slot_mapping, device), specs=list(specs), block_size=block_size, window=window)
+    all_slots = [slot_mapping(s.block_table, 0, s.context_len + s.query_len, block_size) for s in specs]
+    new_slots = np.concatenate([slots[s.context_len :] for s, slots in zip(specs, all_slots)])  # [num_tokens]
+    meta = AttentionMetadata(to_device(new_slots, device), specs=list(specs), block_size=block_size, window=window)
     if listed:
         meta.listed = _listed(specs, starts[:-1], all_slots, window)
         return meta

@@ -36,10 +36,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from engine.attention.metadata import (
-    MAX_BATCHED_QUERY, SeqSpec, token_slots, tree_depths, tree_mask, window_binds, window_mask,
-)
+from engine.attention.metadata import MAX_BATCHED_QUERY, SeqSpec, tree_mask, window_binds, window_mask
+from engine.spec_decode.tree import depths
 from engine.transfer import to_device
+from kvcache.manager import slot_mapping
 
 
 @dataclass
@@ -121,11 +121,11 @@ def _tree_prefixes(specs: list[SeqSpec], starts: list[int], block_size: int, dev
     if window is None:
         has = np.repeat([s.context_len > 0 for s in specs], [s.query_len for s in specs])
         return [_group(specs, starts, [s.context_len for s in specs], False, block_size, device)], has
-    depths = [tree_depths(s.parents) for s in specs]
-    has = np.concatenate([(d <= window - 2) & (s.context_len > 0) for s, d in zip(specs, depths)])
+    node_depths = [depths(s.parents) for s in specs]  # [query_len] each
+    has = np.concatenate([(d <= window - 2) & (s.context_len > 0) for s, d in zip(specs, node_depths)])
     groups = []
-    for depth in sorted({int(x) for d in depths for x in d if x <= window - 2}):
-        nodes = [(r, i) for r, d in enumerate(depths) for i in np.flatnonzero(d == depth) if specs[r].context_len]
+    for depth in sorted({int(x) for d in node_depths for x in d if x <= window - 2}):
+        nodes = [(r, i) for r, d in enumerate(node_depths) for i in np.flatnonzero(d == depth) if specs[r].context_len]
         if nodes:
             sub = [specs[r] for r, _ in nodes]
             index = np.array([starts[r] + i for r, i in nodes], dtype=np.int64)
@@ -173,8 +173,8 @@ def build_varlen_metadata(
     """Metadata for a step whose flat tokens are ``specs`` in order; ``window``: for layers
     that see the last ``window`` positions."""
     starts = np.concatenate([[0], np.cumsum([s.query_len for s in specs])]).tolist()
-    slot_mapping = np.concatenate(
-        [token_slots(s.block_table, s.context_len + s.query_len, block_size)[s.context_len :] for s in specs]
+    new_slots = np.concatenate(  # [num_tokens]
+        [slot_mapping(s.block_table, s.context_len, s.context_len + s.query_len, block_size) for s in specs]
     )
     groups = []
     for idx in _chain_groups(specs, split_by_query_len):
@@ -189,5 +189,5 @@ def build_varlen_metadata(
         sub, sub_starts = [specs[i] for i in trees], [starts[i] for i in trees]
         tree_prefixes, has_prefix = _tree_prefixes(sub, sub_starts, block_size, device, window)
         tree = _tree_part(sub, sub_starts, device, window, has_prefix)
-    return VarlenMetadata(to_device(slot_mapping, device), kernel, groups, tree_prefixes, tree, list(specs),
+    return VarlenMetadata(to_device(new_slots, device), kernel, groups, tree_prefixes, tree, list(specs),
                           block_size, split_by_query_len, window)

@@ -10,7 +10,6 @@ first after the last committed token, row ``i + 1`` after draft ``i``. Example::
     drafts    0  1                   2  3  4
     cu_num_draft_tokens = [2, 2, 5]        first_rows = [0, 3, 4]
     target_logits_indices = [0, 1, 4, 4, 5]  (each draft's parent's row)
-    bonus_logits_indices  = [2, 3, 7]        (the row after a chain's last draft)
 
 Nothing is padded to the longest request: the verification rules work on these
 offsets (``engine.spec_decode.rejection_sampler``, ``engine.spec_decode.tree_sampler``).
@@ -32,7 +31,6 @@ class VerifyMetadata:
     draft_token_ids: torch.Tensor  # [D] long
     request_index: torch.Tensor  # [D] long: the request of each draft
     target_logits_indices: torch.Tensor  # [D] long: the row each draft is checked against (its parent's)
-    bonus_logits_indices: torch.Tensor  # [n] long: the row after each request's last draft
     first_rows: torch.Tensor  # [n] long: each request's first row (after its last committed token)
     draft_probs: torch.Tensor | None  # [D, V] q of each draft (one-hot for deterministic ones); None: all one-hot
     children: torch.Tensor | None  # [R, W] long: draft index of each row's children, -1 padded; None: all chains
@@ -80,7 +78,6 @@ def build_verify_metadata(
         draft_token_ids=to(flat_ids),
         request_index=to(request_index),
         target_logits_indices=to(target),
-        bonus_logits_indices=to(first + num),
         first_rows=to(first),
         draft_probs=_stack_probs(flat_ids, probs, num, vocab_size, device),
         children=to(_children(local_parents, first, cu - num)) if trees else None,

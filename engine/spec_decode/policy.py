@@ -89,41 +89,6 @@ POOLED_EMA = 0.05  # ... and in the estimate pooled over all requests
 MIN_PAUSE, MAX_PAUSE = 8, 256  # steps a request stops drafting after drafts did not pay
 
 
-def survival(alpha, gamma: int) -> list[float]:
-    """``[a_1 .. a_gamma]``: i.i.d. ``alpha ** i`` for a number, running products
-    of conditional rates for a sequence (entry i: P(draft i+1 accepted | the ones before))."""
-    if isinstance(alpha, (int, float)):
-        return [alpha**i for i in range(1, gamma + 1)]
-    out, a = [], 1.0
-    for r in list(alpha)[:gamma]:
-        a *= r
-        out.append(a)
-    return out
-
-
-def expected_tokens(alpha, gamma: int) -> float:
-    """Mean tokens a round emits: ``1 + a_1 + ... + a_gamma``."""
-    return 1 + sum(survival(alpha, gamma))
-
-
-def speedup(alpha, gamma: int, c: float, v: float = 0.0, parallel: bool = False, fixed: float = 0.0) -> float:
-    """Tokens per target-step of cost: ``expected_tokens / (1 + fixed + draft cost + gamma * v)``."""
-    draft_cost = c if parallel else gamma * c
-    return expected_tokens(alpha, gamma) / (1 + fixed + draft_cost + gamma * v)
-
-
-def best_gamma(
-    alpha, c: float, max_gamma: int, v: float = 0.0, parallel: bool = False, fixed: float = 0.0
-) -> tuple[int, float]:
-    """``(gamma, speedup)`` with the best speedup in 1..max_gamma (smallest on ties)."""
-    best = (1, speedup(alpha, 1, c, v, parallel, fixed))
-    for g in range(2, max_gamma + 1):
-        s = speedup(alpha, g, c, v, parallel, fixed)
-        if s > best[1] + 1e-12:
-            best = (g, s)
-    return best
-
-
 @dataclass(frozen=True)
 class StepCosts:
     """``T(R)``: the time of a target pass over ``R`` tokens relative to one token,
@@ -310,7 +275,7 @@ class SpecPolicy:
 
     def _best_chain(self, rates: list[float], k: int, v: list[float]) -> tuple[int, float]:
         """``(g, gain)``: the chain length in 1..k with the most tokens per step of cost,
-        ``expected_tokens(rates, g) / (V(g) + g c)`` (the shortest on ties), in one pass over g;
+        ``(1 + a_1 + ... + a_g) / (V(g) + g c)`` (the shortest on ties), in one pass over g;
         ``v``: ``_verify_costs``."""
         best, accepted, survive = (0, 0.0), 0.0, 1.0
         for g in range(1, k + 1):

@@ -55,16 +55,6 @@ from engine.spec_decode.rejection_sampler import PLACEHOLDER, residual_distribut
 from engine.spec_decode.metadata import VerifyMetadata
 
 
-def next_target(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """The target the next sibling is tried against after a rejection. [n, V]."""
-    return residual_distribution(r, q)
-
-
-def extra_distribution(r: torch.Tensor, p_node: torch.Tensor) -> torch.Tensor:
-    """The distribution of the recovered token at a node where every child was rejected."""
-    return r
-
-
 def tree_verify(
     meta: VerifyMetadata,  # meta.children [R, W] must be set
     target_probs: torch.Tensor,  # [R, V]
@@ -92,7 +82,7 @@ def tree_verify(
             q = _node_q(q_all, c, x, r)  # [n, V]
             accept = uniforms[c] * q[b, x] < r[b, x]  # u < R/q without dividing by a zero q
             rejected = (trying & ~accept).unsqueeze(1)
-            r = torch.where(rejected, next_target(r, q), r)
+            r = torch.where(rejected, residual_distribution(r, q), r)  # the next sibling's target
             accept &= trying
             cur = torch.where(accept, draft_rows[c], cur)
             moved |= accept
@@ -102,7 +92,7 @@ def tree_verify(
     accepted = torch.stack(path[:-1], dim=1) if len(path) > 1 else cur.new_zeros(n, 0)  # [n, L] flat
     num_accepted = (accepted >= 0).sum(dim=1)
     leaf = (children[cur, 0] < 0).unsqueeze(1)  # no child: bonus, drawn as the chain rule does
-    dist = torch.where(leaf, residual_distribution(r, torch.zeros_like(r)), extra_distribution(r, target_probs[cur]))
+    dist = torch.where(leaf, residual_distribution(r, torch.zeros_like(r)), r)  # else R: the recovered token's
     extra = (dist / noise).argmax(dim=1)  # exponential race
     start = meta.draft_starts.unsqueeze(1)  # [n, 1]
     nodes = torch.where(accepted >= 0, accepted - start, PLACEHOLDER)  # within each request

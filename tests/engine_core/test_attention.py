@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.attention import SeqSpec, build_attention_metadata, paged_attention, tree_depths, tree_mask
+from engine.attention import SeqSpec, build_attention_metadata, paged_attention, tree_mask
 from engine.attention.metadata import MAX_BATCHED_QUERY
+from engine.spec_decode import tree
 from tests.engine_core.attention_problems import dense_attention
 
 
@@ -23,14 +24,14 @@ def test_tree_mask_hand_drawn():
         [1, 0, 1, 0],
         [1, 1, 0, 1],
     ]
-    assert tree_depths((-1, 0, 0, 1)).tolist() == [0, 1, 1, 2]
+    assert tree.depths((-1, 0, 0, 1)).tolist() == [0, 1, 1, 2]  # the runner's positions: prefix + depth
 
 
 def test_tree_mask_chain_is_causal_and_forest_roots_are_independent():
     assert (tree_mask((-1, 0, 1, 2)) == np.tri(4, dtype=bool)).all()
     # Two roots (two alternative first tokens), the second with a child.
     assert tree_mask((-1, -1, 1)).astype(int).tolist() == [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
-    assert tree_depths((-1, -1, 1)).tolist() == [0, 0, 1]
+    assert tree.depths((-1, -1, 1)).tolist() == [0, 0, 1]
 
 
 @pytest.mark.parametrize("parents", [(0,), (-1, 1), (-1, 2, 0)])

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvcache import PAD_SLOT, BlockPool, KVCacheManager, blocks_needed, slot_mapping
+from kvcache import BlockPool, KVCacheManager, blocks_needed, slot_mapping
 
 
 def test_pool_allocates_distinct_blocks_fifo_and_counts_free():
@@ -113,4 +113,3 @@ def test_slot_mapping_worked_example():
     np.testing.assert_array_equal(slot_mapping([7, 2], 3, 6, 4), [31, 8, 9])
     assert slot_mapping([7, 2], 5, 5, 4).shape == (0,)
     assert slot_mapping([7, 2], 0, 8, 4).dtype == np.int64
-    assert PAD_SLOT == -1

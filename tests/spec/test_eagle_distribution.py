@@ -70,7 +70,7 @@ def test_eagle_trees_emit_target_distribution(settings):
 @pytest.mark.slow  # 40,000 requests
 @pytest.mark.timeout(3600)
 def test_the_eagle_tree_test_rejects_a_sampler_that_keeps_the_residual_between_siblings(monkeypatch):
-    monkeypatch.setattr(tree_sampler, "next_target", lambda r, q: r)
+    monkeypatch.setattr(tree_sampler, "residual_distribution", lambda r, q: r)  # every sibling tried against p
     target, engine = eagle_engine("eagle3", **TREE)
     counts = sample_joint(engine, SETTINGS[0], TREE_SAMPLES)
     assert p_value(counts, exact_joint(llama_logits(target), SETTINGS[0])) < 1e-3

@@ -1,4 +1,4 @@
-"""The speculation policy: the reference's formulas, and non-anticipating choices."""
+"""The speculation policy: the reference's choices, and non-anticipating ones."""
 
 import pytest
 
@@ -9,26 +9,32 @@ from engine.spec_decode.policy import (
     ClassState,
     SpecPolicy,
     StepCosts,
-    best_gamma,
-    expected_tokens,
-    speedup,
-    survival,
 )
 
 
-def test_reference_numbers():
-    assert expected_tokens(0.8, 2) == pytest.approx(2.44)
-    assert expected_tokens(0.8, 4) == pytest.approx(3.3616)
-    assert speedup(0.8, 4, 0.05) == pytest.approx(3.3616 / 1.2)
-    assert best_gamma(0.8, 0.05, 20)[0] == 8 and best_gamma(0.8, 0.05, 20)[1] == pytest.approx(3.09, abs=0.01)
-    assert best_gamma(0.8, 0.2, 20)[0] == 4 and best_gamma(0.8, 0.2, 20)[1] == pytest.approx(1.87, abs=0.01)
-    assert best_gamma(0.6, 0.05, 20)[0] == 4 and best_gamma(0.6, 0.05, 20)[1] == pytest.approx(1.92, abs=0.01)
-    assert speedup(0.8, 4, 0.05, parallel=True) == pytest.approx(3.3616 / 1.05)
+def planned_with_rates(rates: list[float], draft_cost: float, verify_cost: float = 0.0) -> int:
+    """Drafts the policy plans for a new request of a class whose pooled rates are ``rates``
+    (conditional acceptance per position), verification priced at ``verify_cost`` a draft."""
+    policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=len(rates)), draft_cost,
+                        StepCosts.linear(verify_cost))
+    policy.pooled[0] = ClassState(list(rates), tested=len(rates))
+    return slots(policy, "new")
 
 
-def test_survival_of_conditional_rates():
-    assert survival([0.5, 1.0, 0.5], 3) == [0.5, 0.5, 0.25]
-    assert expected_tokens([0.5, 1.0, 0.5], 2) == 2.0
+def test_the_references_best_draft_counts():
+    """The reference's worked choices at i.i.d. acceptance a and draft cost c, verification
+    free: the count g in 1..20 with the most (1 + a + ... + a^g) / (1 + g c)."""
+    assert planned_with_rates([0.8] * 20, 0.05) == 8  # 3.09 tokens per unit of cost
+    assert planned_with_rates([0.8] * 20, 0.2) == 4  # 1.87
+    assert planned_with_rates([0.6] * 20, 0.05) == 4  # 1.92
+
+
+def test_conditional_rates_not_powers_of_the_first():
+    """Acceptance far from i.i.d. (drafts that start right stay right, then stop): the
+    running product of the rates, not powers of the first one, prices the count."""
+    assert planned_with_rates([1.0, 1.0, 0.05, 0.05, 0.05], 0.05, 0.05) == 2  # 3 / 1.2 beats 3.05 / 1.3
+    assert planned_with_rates([0.5, 1.0, 1.0, 1.0, 1.0], 0.05, 0.05) == 5
+    assert planned_with_rates([0.5] * 5, 0.05, 0.05) == 2  # i.i.d. at the first rate
 
 
 def slots(policy: SpecPolicy, rid: str = "r", klass: int | None = 0, num_running: int = 1) -> int:

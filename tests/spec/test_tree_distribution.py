@@ -76,8 +76,9 @@ def sampled_tree(q_table: np.ndarray, exact_q: bool = True):
     return draw
 
 
-def run_rounds(p_table: np.ndarray, draft, seed: int = 0) -> np.ndarray:
-    """Counts [V, V, V] of the first three output tokens, verifying a fresh tree per round."""
+def run_rounds(p_table: np.ndarray, draft, seed: int = 0, verify=tree_verify) -> np.ndarray:
+    """Counts [V, V, V] of the first three output tokens, verifying a fresh tree per round
+    (by ``verify``, ``tree_verify``'s signature)."""
     rng = np.random.default_rng(seed)
     g = torch.Generator().manual_seed(seed)
     outputs = np.zeros((NUM_SAMPLES, 0), dtype=np.int64)
@@ -89,7 +90,7 @@ def run_rounds(p_table: np.ndarray, draft, seed: int = 0) -> np.ndarray:
         qs = [None] * NUM_SAMPLES if q is None else list(torch.tensor(q, dtype=torch.float32))
         meta = build_verify_metadata(tokens.tolist(), [PARENTS] * NUM_SAMPLES, qs, V)
         uniforms = torch.rand(NUM_SAMPLES * len(PARENTS), generator=g)
-        out, acc, _ = tree_verify(meta, probs, uniforms, torch.empty(NUM_SAMPLES, V).exponential_(generator=g))
+        out, acc, _ = verify(meta, probs, uniforms, torch.empty(NUM_SAMPLES, V).exponential_(generator=g))
         outputs = np.concatenate([outputs, out.numpy()], axis=1)
         last = out.gather(1, acc.unsqueeze(1)).squeeze(1).numpy()
     emitted = _first(outputs, OUTPUT_LEN)
@@ -136,17 +137,30 @@ def test_tree_verification_emits_the_targets_joint(kind, settings):
 def test_power_no_residual_update_between_siblings(kind, settings, monkeypatch):
     p, q = tables(settings)
     draft = deterministic_tree if kind == "deterministic" else sampled_tree(q)
-    monkeypatch.setattr(tree_sampler, "next_target", lambda r, q: r)  # every sibling tried against p
+    monkeypatch.setattr(tree_sampler, "residual_distribution", lambda r, q: r)  # every sibling tried against p
     assert p_value(run_rounds(p, draft), exact_joint(p)) < 1e-6
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=["T1", "T0.7-topp0.9"])
 @pytest.mark.parametrize("kind", ["deterministic", "sampled"])
-def test_power_resampling_from_p_after_rejection(kind, settings, monkeypatch):
+def test_power_resampling_from_p_after_rejection(kind, settings):
     p, q = tables(settings)
     draft = deterministic_tree if kind == "deterministic" else sampled_tree(q)
-    monkeypatch.setattr(tree_sampler, "extra_distribution", lambda r, p_node: p_node)
-    assert p_value(run_rounds(p, draft), exact_joint(p)) < 1e-6
+    assert p_value(run_rounds(p, draft, verify=recovering_from_p), exact_joint(p)) < 1e-6
+
+
+def recovering_from_p(meta, probs, uniforms, noise):
+    """``tree_verify`` with a plausible bug: where every child of the path's last node was
+    rejected, the recovered token is drawn from p at that node instead of the residual."""
+    out, acc, nodes = tree_verify(meta, probs, uniforms, noise)
+    padded = torch.nn.functional.pad(nodes, (0, 1))  # [n, L + 1]: a column even when nothing was accepted
+    last_node = padded.gather(1, (acc - 1).clamp(min=0).unsqueeze(1)).squeeze(1)  # [n] where acc > 0
+    rows = meta.first_rows + torch.where(acc > 0, last_node + 1, 0)  # [n] the row the extra token came from
+    recovered = meta.children[rows, 0] >= 0  # the path stopped at a node with children
+    from_p = (probs[rows] / noise).argmax(dim=1)
+    b = torch.arange(len(acc))
+    out[b, acc] = torch.where(recovered, from_p, out[b, acc])
+    return out, acc, nodes
 
 
 def test_power_plain_q_for_children_drawn_without_replacement():

@@ -95,7 +95,7 @@ def test_flat_layout_of_the_metadata_docstring():
     meta = build_verify_metadata([[5, 6], [], [7, 8, 9]], [None, None, (-1, -1, 0)], [None] * 3, 10)
     assert meta.cu_num_draft_tokens.tolist() == [2, 2, 5] and meta.first_rows.tolist() == [0, 3, 4]
     assert meta.target_logits_indices.tolist() == [0, 1, 4, 4, 5]
-    assert meta.bonus_logits_indices.tolist() == [2, 3, 7] and meta.draft_rows().tolist() == [1, 2, 5, 6, 7]
+    assert meta.draft_rows().tolist() == [1, 2, 5, 6, 7]
     assert meta.children[4].tolist() == [2, 3] and meta.children[5].tolist() == [4, -1]
     assert meta.request_index.tolist() == [0, 0, 2, 2, 2] and meta.max_num_draft_tokens == 3
 
