@@ -8,8 +8,10 @@ import torch
 from engine.sampler import build_sampling_batch, compute_logprobs, processed_probs, sample
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.metadata import build_verify_metadata
-from engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
+from engine.spec_decode.drafter import Draft
+from engine.spec_decode.rejection_sampler import rejection_sample
 from engine.spec_decode.tree_sampler import tree_verify
+from engine.spec_decode.verify import verify
 from tests.gpu_fake.fake_cuda import fake_cuda, value
 
 V = 64
@@ -97,18 +99,17 @@ def verify_inputs(device, trees: bool):
     q = torch.softmax(torch.randn(2, V, generator=g), -1)
     parents = [None, None, (-1, -1, 0) if trees else None]
     meta = build_verify_metadata([[7, 8], [], [7, 9, 8]], parents, [q.to(device), None, None], V, device)
-    logits = logits_for(meta.bonus_logits_indices.shape[0] + 5, seed=6).to(device)  # R = 5 + 3 rows
+    logits = logits_for(meta.num_requests + 5, seed=6).to(device)  # R = 5 + 3 rows
     p = torch.softmax(logits, -1)
-    greedy = torch.tensor([False, True, False], device=device)
     uniforms = torch.rand(5, generator=g).to(device)
     noise = torch.empty(3, V).exponential_(generator=g).to(device)
-    return meta, p, logits.argmax(-1), greedy, uniforms, noise
+    return meta, p, uniforms, noise
 
 
-def test_rejection_sample_and_greedy_verify():
+def test_rejection_sample():
     def fn(device):
-        meta, p, argmax, greedy, uniforms, noise = verify_inputs(device, trees=False)
-        return (*rejection_sample(p, argmax, meta, greedy, uniforms, noise), *greedy_verify(argmax, meta))
+        meta, p, uniforms, noise = verify_inputs(device, trees=False)
+        return rejection_sample(p, meta, uniforms, noise)
 
     cpu, got = on_both(fn)
     for a, b in zip(cpu, got):
@@ -117,9 +118,26 @@ def test_rejection_sample_and_greedy_verify():
 
 def test_tree_verify():
     def fn(device):
-        meta, p, argmax, greedy, uniforms, noise = verify_inputs(device, trees=True)
-        return (*tree_verify(argmax, meta, greedy, p, uniforms, noise), *tree_verify(argmax, meta, greedy))
+        meta, p, uniforms, noise = verify_inputs(device, trees=True)
+        return tree_verify(meta, p, uniforms, noise)
 
     cpu, got = on_both(fn)
     for a, b in zip(cpu, got):
         assert torch.equal(a, b)
+
+
+def test_verify_of_a_mixed_batch():
+    """Greedy requests beside sampled ones: the sampled ones' rows are picked on the device."""
+    drafts = [Draft([7, 8]), None, Draft([7, 9, 8], None, (-1, -1, 0)), Draft([5])]
+
+    def fn(device):
+        g = torch.Generator().manual_seed(7)
+        probs = torch.softmax(logits_for(10, seed=8), -1).to(device)  # [3 + 1 + 4 + 2 rows, V]
+        uniforms, noise = torch.rand(6, generator=g).to(device), torch.empty(3, V).exponential_(generator=g).to(device)
+        argmax = probs.argmax(-1).tolist()
+        return verify(drafts, [False, True, False, False], argmax, probs, uniforms, noise)
+
+    cpu = fn("cpu")
+    with fake_cuda():
+        got = fn("cuda")
+    assert got == cpu
