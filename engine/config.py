@@ -164,7 +164,10 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: local directory or GGUF file
     quantization: str = "auto"  # draft_model: its weights, as ModelConfig.quantization
     num_layers: int | None = None  # early_exit: layers of the target that draft
-    adaptive: bool = True  # choose k per request from its measured acceptance; pause when it does not pay
+    # True: each request's draft count from its measured acceptance and the measured step costs,
+    # paused when drafts do not pay. False: num_speculative_tokens drafts (or the configured tree)
+    # every step, and no start-up cost measurement (engine.spec_decode.fixed_policy).
+    adaptive: bool = True
     # Extra cost of one verified draft, in decode steps. None: measured at start-up. Pin it to
     # make the policy's choices, and so seeded outputs, identical from one server start to the next.
     verify_cost: float | None = None

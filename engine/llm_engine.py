@@ -35,6 +35,7 @@ from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from engine.spec_decode.cost_tracker import CostTracker, measure_step_costs
 from engine.spec_decode.drafter import Draft, DraftSlot
+from engine.spec_decode.fixed_policy import FixedPolicy
 from engine.spec_decode.policy import Candidate, SpecPolicy, StepCosts, StepPlan
 from engine.spec_decode.registry import build_drafter, drafter_memory
 from engine.stats import EngineSnapshot, StepTimes, make_step_stats
@@ -220,6 +221,10 @@ class LLMEngine:
             block_size=spec.block_size, dtype=dtype, device=device, target_kv=self.paged_kv,
             attention=self.runner.attention, target_path=self.model_path,
         )
+        if not sc.adaptive:  # the same round every step: nothing to price, nothing to measure
+            log.info("speculation: %s, %d drafts%s every step", sc.method, sc.num_speculative_tokens,
+                     " or the configured tree" if sc.uses_trees else "")
+            return drafter, FixedPolicy(sc)
         if sc.verify_cost is not None:
             costs = StepCosts.linear(sc.verify_cost)
         else:

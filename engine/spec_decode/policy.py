@@ -168,6 +168,13 @@ class SpecState:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 
+    def add_round(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """Counts a verified round (none when nothing was drafted)."""
+        if num_draft_tokens:
+            self.num_drafts += 1
+            self.num_draft_tokens += num_draft_tokens
+            self.num_accepted_tokens += num_accepted
+
     def summary(self) -> dict:
         mean = 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
         return {
@@ -219,7 +226,8 @@ class StepPlan:
 
 
 class SpecPolicy:
-    """``step_costs``: ``T(R)`` of the target; ``draft_cost``: the drafter's cost per token."""
+    """The adaptive policy (``adaptive: true``; ``engine.spec_decode.fixed_policy`` is the
+    other). ``step_costs``: ``T(R)`` of the target; ``draft_cost``: the drafter's cost per token."""
 
     def __init__(self, config: SpeculativeConfig, draft_cost: float, step_costs: StepCosts):
         self.config = config
@@ -233,11 +241,8 @@ class SpecPolicy:
         self.states: dict[str, SpecState] = {}
         self.pooled: dict[int, ClassState] = {}  # class -> rates over all requests
         self.batch_pauses = BatchPauses()
-        k, w, nodes = config.num_speculative_tokens, config.tree_width, config.max_tree_nodes
         static = config.static_tree()
         self.static = [tree_policy.Candidate.of(static)] if static else []
-        # Without the adaptive policy: the static tree, else the widest product tree in the budget.
-        self.fixed_tree = static or (tree.product_tree([w] * k, nodes) if w > 1 else None)
 
     def _verify_costs(self, batch: int, rows: int, alone: bool) -> list[float]:
         """``V(n)`` for n = 0 .. the most drafts a round may have (chain or tree), for a
@@ -318,7 +323,7 @@ class SpecPolicy:
         """Whether a step with ``num_running`` decoding requests plans the requests priced
         within the batch (isolated ones are always planned); False while their bucket is
         paused after idle plans."""
-        if not self.config.adaptive or self.step_costs.per_request:
+        if self.step_costs.per_request:
             return True
         return self.batch_pauses.plans(self.step, num_running)
 
@@ -330,9 +335,6 @@ class SpecPolicy:
         st = self.states.get(c.request_id)
         cs = st.classes.get(key) if st is not None else None
         fresh = None if cs is not None else self._fresh(key, alone)
-        if not self.config.adaptive:
-            template = self.fixed_tree if c.trees else None
-            return Decision(len(template) if template else k, key, isolated=alone, fresh=fresh, template=template)
         cs = cs or fresh
         if self._now(st, alone) < cs.paused_until:
             return Decision(0, key, isolated=alone)
@@ -410,9 +412,7 @@ class SpecPolicy:
             self._pause(cs, key, st.isolated, now)
         if num_draft_tokens == 0:
             return
-        st.num_drafts += 1
-        st.num_draft_tokens += num_draft_tokens
-        st.num_accepted_tokens += num_accepted
+        st.add_round(num_draft_tokens, num_accepted)
         pooled = self.pooled.setdefault(key, ClassState([PRIOR_ACCEPTANCE] * self.config.num_speculative_tokens))
         for record, weight in ((cs, EMA), (pooled, POOLED_EMA)):
             if outcomes is None:

@@ -95,6 +95,30 @@ def test_the_engine_recalibrates_a_timed_table_and_leaves_a_pinned_one(make_engi
     assert pinned.cost_tracker is None and pinned.policy.step_costs == before
 
 
+def test_the_fixed_policy_measures_no_step_costs(make_engine, tiny_model, monkeypatch):
+    """``adaptive: false`` prices nothing: the engine starts without timing a single pass,
+    and plans num_speculative_tokens drafts for every decoding request each step."""
+    from engine import llm_engine
+
+    def refuse(*args, **kw):
+        raise AssertionError("the step costs were measured")
+
+    monkeypatch.setattr(llm_engine, "measure_step_costs", refuse)
+    with pytest.raises(AssertionError, match="measured"):
+        make_engine(tiny_model(), speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    fixed = make_engine(tiny_model(vocab_size=64), speculative=SpeculativeConfig(
+        method="ngram", num_speculative_tokens=3, adaptive=False))
+    assert fixed.cost_tracker is None
+    planned, drafted, plan = [], [], fixed.policy.plan
+    fixed.policy.plan = lambda *a: planned.append(p := plan(*a)) or p
+    fixed.stat_loggers.append(lambda s: drafted.append(s.spec.num_draft_tokens))
+    prompt = list(range(64)) * 2  # every token has occurred: prompt lookup always proposes
+    fixed.add_request("a", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    while fixed.has_unfinished():
+        fixed.step()
+    assert {n for p in planned for n in p.num_draft_tokens.values()} == {3} and sum(drafted) > 0
+
+
 def test_a_verifying_step_moves_the_table_by_its_pass_and_the_fixed_cost_by_its_rule():
     t = CostTracker(START)
     table = t.observe(5, 0.017, verify_s=0.005)  # 12 ms for the pass of 5 rows (as predicted) + 5 ms of rule

@@ -4,6 +4,7 @@ import pytest
 
 from engine.config import SpeculativeConfig
 from engine.spec_decode.batch_pause import IDLE_PLANS, MIN_BATCH_PAUSE
+from engine.spec_decode.fixed_policy import FixedPolicy
 from engine.spec_decode.policy import (
     Candidate,
     ClassState,
@@ -67,8 +68,8 @@ def test_copying_raises_the_draft_length_and_misses_pause_drafting():
 
 def test_no_context_class_and_fixed_length():
     assert slots(SpecPolicy(SpeculativeConfig(method="ngram"), 0.0, StepCosts.linear(0.05)), klass=None) == 0
-    fixed = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False), 0.0, StepCosts.linear(9.0))
-    assert slots(fixed) == 3
+    fixed = FixedPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False))
+    assert slots(fixed) == 3 and slots(fixed, klass=None) == 0
 
 
 def test_a_probe_after_a_pause_that_misses_pauses_again_at_once():

@@ -5,6 +5,7 @@ per-depth, per-rank acceptance, and the configuration keys."""
 import pytest
 
 from engine.config import SpeculativeConfig
+from engine.spec_decode.fixed_policy import FixedPolicy
 from engine.spec_decode.policy import Candidate as Request, SpecPolicy, StepCosts
 from engine.spec_decode import tree
 from engine.spec_decode.tree_policy import PRIOR_SIBLING, Candidate, best_grown, expected_accepted, grown, update
@@ -109,16 +110,21 @@ def test_siblings_that_pay_give_trees_and_siblings_that_never_do_give_chains():
     assert d.num_draft_tokens == 4 and d.template is None
 
 
-def test_without_adaptive_every_round_uses_the_configured_tree():
-    d = decide(policy(adaptive=False), request())
+def fixed(**kw) -> FixedPolicy:
+    return FixedPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4, tree_width=3, max_tree_nodes=12,
+                                         adaptive=False, **kw))
+
+
+def test_the_fixed_policy_uses_the_configured_tree_every_round():
+    d = decide(fixed(), request())
     assert d.num_draft_tokens == 12 and len(d.template) == 12
     static = SpeculativeConfig(method="early_exit", adaptive=False, speculative_token_tree=[[0], [1], [0, 0]])
-    d = decide(SpecPolicy(static, 0.1, StepCosts.linear(0.05)), request())
+    d = decide(FixedPolicy(static), request())
     assert d.num_draft_tokens == 3 and d.template == (-1, -1, 0)
 
 
 def test_a_request_under_a_grammar_gets_chains():
-    d = decide(policy(adaptive=False), Request("r", 0, trees=False))
+    d = decide(fixed(), Request("r", 0, trees=False))
     assert d.num_draft_tokens == 4 and d.template is None
 
 
