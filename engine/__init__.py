@@ -1,17 +1,34 @@
-"""The specserve engine: scheduler, runner, sampler, model definitions."""
+"""The specserve engine: scheduler, runner, sampler, model definitions.
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.offline import LLM
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+The names below load on first use (PEP 562), so that the modules that need no torch
+(``engine.scheduler``, ``engine.request``, ``engine.sampling_params``, ``engine.config``,
+the speculation policies, ``kvcache``) import without it.
+"""
 
-__all__ = [
-    "LLM",
-    "CacheConfig",
-    "CompletionOutput",
-    "EngineConfig",
-    "ModelConfig",
-    "RequestOutput",
-    "SamplingParams",
-    "SchedulerConfig",
-]
+import importlib
+
+_EXPORTS = {
+    "LLM": "engine.offline",
+    "CacheConfig": "engine.config",
+    "EngineConfig": "engine.config",
+    "ModelConfig": "engine.config",
+    "SchedulerConfig": "engine.config",
+    "CompletionOutput": "engine.outputs",
+    "RequestOutput": "engine.outputs",
+    "SamplingParams": "engine.sampling_params",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,9 +1,14 @@
-"""Typed, frozen engine configuration, split by concern and validated once."""
+"""Typed, frozen engine configuration, split by concern and validated once. Plain data:
+torch loads only when a device or dtype is asked for."""
+
+from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def cpu_has_bf16() -> bool:
@@ -39,6 +44,8 @@ class ModelConfig:
         """auto: bfloat16 on CUDA, float32 on the CPU (our kernels' type). On the CPU, bfloat16
         runs only where the CPU multiplies it natively (AVX512-BF16; elsewhere oneDNN emulates
         it several times slower than float32), float16 not at all: ValueError, at start-up."""
+        import torch
+
         cpu = self.torch_device().type == "cpu"
         if self.dtype == "auto":
             return torch.float32 if cpu else torch.bfloat16

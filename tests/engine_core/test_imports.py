@@ -75,3 +75,27 @@ def test_the_registry_is_the_only_way_from_the_engine_to_a_drafter():
         "    assert callable(getattr(__import__(module, fromlist=[factory]), factory)), name\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+def test_the_scheduler_and_the_block_allocator_import_without_torch():
+    """DESIGN: the scheduler and the block allocator deal in ids and counts. In a fresh
+    interpreter where importing torch fails, they, the request types, the configuration and
+    the speculation policies import, and the engine's own names load on first use."""
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # any 'import torch' now raises ImportError\n"
+        "import kvcache, engine.scheduler, engine.request, engine.sampling_params, engine.config\n"
+        "import engine.spec_decode.policy, engine.spec_decode.fixed_policy\n"
+        "from engine import SamplingParams, SchedulerConfig\n"
+        "from kvcache import KVCacheManager\n"
+        "sched = engine.scheduler.Scheduler(SchedulerConfig(), KVCacheManager(8, 4), 64)\n"
+        "sched.add(engine.request.Request('r', [1, 2, 3], SamplingParams(max_tokens=2), frozenset()))\n"
+        "assert sched.schedule().scheduled[0].token_ids == (1, 2, 3)\n"
+        "try:\n"
+        "    engine.LLM\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise AssertionError('the offline engine loaded without torch')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
