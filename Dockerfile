@@ -76,6 +76,7 @@ COPY server /src/server
 COPY engine /src/engine
 COPY kvcache /src/kvcache
 COPY drafters /src/drafters
+COPY training /src/training
 # Without the `gpu` extra: flash-attn is installed above or not at all, never built here by pip.
 # flash-attn must load with this torch and its kernel entry must run (no GPU at build time).
 RUN --mount=type=bind,source=deploy/flash_attn_check.py,target=/tmp/flash_attn_check.py \

@@ -35,7 +35,7 @@ def _generate(args) -> int:
 
 
 def _train_eagle(args) -> int:
-    from drafters.eagle_train import TrainConfig, train
+    from training.eagle_train import TrainConfig, train
 
     keys = TrainConfig.__dataclass_fields__
     print(train(TrainConfig(**{k: v for k, v in vars(args).items() if k in keys and v is not None})))

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("api", "server", "engine", "kvcache", "drafters")
+PACKAGES = ("api", "server", "engine", "kvcache", "drafters", "training")
 
 
 def imported_packages(path: Path) -> set[str]:
@@ -97,5 +97,19 @@ def test_the_scheduler_and_the_block_allocator_import_without_torch():
         "    pass\n"
         "else:\n"
         "    raise AssertionError('the offline engine loaded without torch')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+def test_the_server_never_loads_training():
+    """Training is its own package: no serving package imports it, and the server's CLI
+    loads it only for ``specserve train-eagle``."""
+    graph = package_graph()
+    assert all("training" not in graph[p] for p in ("api", "engine", "kvcache", "drafters"))
+    code = (
+        "import sys, server.app, server.cli\n"
+        "args = server.cli.build_parser().parse_args(['serve', '--model', '/models/x'])\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'training'], 'training loaded'\n"
+        "import training.eagle_train\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafters.eagle_train import _load_state, _restore, _save, new_head, training_step, ttt_loss
+from training.eagle_train import _load_state, _restore, _save, new_head, training_step, ttt_loss
 from engine.models.llama import head_dim_of
 from kvcache.tensors import KVSpec, PagedKV
 from tests.spec.test_eagle import PROMPTS, eagle_engine, run, small_target
@@ -57,7 +57,7 @@ def test_a_new_heads_layer_starts_as_the_targets_last_layer_reading_its_hidden_i
     """With the embedding's half of q, k and v at zero, the head's layer over hidden inputs x
     computes what the target's last layer computes over x (causal attention over x)."""
     from engine.attention import SeqSpec, build_attention_metadata
-    from drafters.eagle_train import ttt_attention
+    from training.eagle_train import ttt_attention
 
     target = small_target()
     head = new_head(target, torch.arange(0, 16, 2))
@@ -134,7 +134,7 @@ def test_training_step_zero_computes_what_drafting_computes():
 
 
 def test_distillation_prompts_are_distinct_and_span_the_kinds_of_chat():
-    from drafters.eagle_prompts import distillation_prompts
+    from training.eagle_prompts import distillation_prompts
 
     prompts = distillation_prompts()
     assert len(prompts) == len(set(prompts)) == 2506
@@ -144,8 +144,8 @@ def test_distillation_prompts_are_distinct_and_span_the_kinds_of_chat():
 
 
 def test_the_default_half_of_the_prompts_keeps_every_kind_of_chat_in_its_share():
-    from drafters.eagle_prompts import distillation_prompts
-    from drafters.eagle_train import TrainConfig, random_subset
+    from training.eagle_prompts import distillation_prompts
+    from training.eagle_train import TrainConfig, random_subset
 
     prompts = distillation_prompts()
     half = random_subset(prompts, TrainConfig(out="unused").prompts)
@@ -161,7 +161,7 @@ def test_the_default_half_of_the_prompts_keeps_every_kind_of_chat_in_its_share()
 
 
 def distilled_chats(target, eos=frozenset()):
-    from drafters.eagle_data import distill
+    from training.eagle_data import distill
 
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12]]
     return prompts, distill(target, prompts, 12, (1, 3, 4), set(eos), batch=2)
@@ -199,8 +199,8 @@ def test_a_chat_ends_with_its_eos_and_the_eos_has_features():
 
 
 def test_windows_cut_the_chats_in_order_with_their_labels_over_the_draft_vocabulary(tmp_path):
-    from drafters.eagle_data import Distilled
-    from drafters.eagle_train import Windows
+    from training.eagle_data import Distilled
+    from training.eagle_train import Windows
 
     target = small_target()
     _, data = distilled_chats(target)
@@ -220,7 +220,7 @@ def test_windows_cut_the_chats_in_order_with_their_labels_over_the_draft_vocabul
 
 
 def test_the_learning_rate_warms_up_then_falls_along_a_cosine_to_a_tenth():
-    from drafters.eagle_train import TrainConfig, learning_rate
+    from training.eagle_train import TrainConfig, learning_rate
 
     cfg = TrainConfig(out="unused", lr=1e-3, warmup=10)
     assert learning_rate(cfg, 0, 0.0) == pytest.approx(1e-4)  # step 1 of 10 of the warm-up
@@ -230,7 +230,7 @@ def test_the_learning_rate_warms_up_then_falls_along_a_cosine_to_a_tenth():
 
 
 def test_held_out_agreement_is_the_mean_over_every_sequence_whatever_the_batching():
-    from drafters.eagle_train import Windows, agreement
+    from training.eagle_train import Windows, agreement
 
     target = small_target()
     head = new_head(target, torch.arange(0, 16, 2))

@@ -1,5 +1,5 @@
 """``train-eagle``'s data: the target's own greedy answers to the distillation prompts
-(``drafters.eagle_prompts``), with what the head learns from at every token -- the
+(``training.eagle_prompts``), with what the head learns from at every token -- the
 features it reads and the target's next-token distribution -- captured while the
 target writes the answers.
 

@@ -1,7 +1,7 @@
 """``specserve train-eagle``: trains an EAGLE-3 head for a target on the CPU.
 
-Data: self-distillation (``drafters.eagle_data``). The target answers ``prompts`` chat
-prompts, by default a random half of the 2,506 of ``drafters.eagle_prompts`` (explanations,
+Data: self-distillation (``training.eagle_data``). The target answers ``prompts`` chat
+prompts, by default a random half of the 2,506 of ``training.eagle_prompts`` (explanations,
 writing, role play, reasoning, extraction and code), greedily, ``answer_tokens`` each, once
 (kept for resumed runs), and gives at every token, while it writes, the three
 features the head reads and its next-token distribution; training restricts that to
@@ -44,9 +44,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from drafters.eagle_data import Distilled, distill
+from training.eagle_data import Distilled, distill
 from drafters.eagle_head import EagleHead, save_eagle_head
-from drafters.eagle_prompts import distillation_prompts
+from training.eagle_prompts import distillation_prompts
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class TrainConfig:
 
 
 def distilled(target, path, cfg: TrainConfig, out: Path) -> Distilled:
-    """The chats of ``drafters.eagle_data`` (the distillation prompts in the chat template and
+    """The chats of ``training.eagle_data`` (the distillation prompts in the chat template and
     the target's answers, with features and labels), made once and kept in
     ``out/train/distilled.safetensors`` for resumed runs."""
     from tqdm import tqdm
