@@ -80,7 +80,7 @@ def gpu_tests(args) -> str:
 
 def backends_vs_reference(args) -> str:
     from engine.attention import paged_attention
-    from tests.engine_core.attention_problems import make_problem
+    from bench.attention_problems import make_problem
 
     rows, worst = [], []
     for dtype in dict.fromkeys([args.dtype, torch.float32]):

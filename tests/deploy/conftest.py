@@ -22,7 +22,32 @@ from server.settings import ServerSettings
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "specserve.json"
+DOCKERFILE = ROOT / "Dockerfile"
 TOOLS_MISSING = "{name} is not installed: run `make tools` as root (apt-get install prometheus) to enable this test"
+
+
+def instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    out, pending = [], ""
+    for line in DOCKERFILE.read_text().splitlines():
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.lstrip().startswith("#"):
+            continue  # a comment inside a continued instruction
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        text = (pending + line).strip()
+        pending = ""
+        keyword, _, args = text.partition(" ")
+        out.append((keyword.upper(), args.strip()))
+    return out
+
+
+def final_stage() -> list[tuple[str, str]]:
+    ins = instructions()
+    last_from = max(i for i, (k, _) in enumerate(ins) if k == "FROM")
+    return ins[last_from:]
 
 
 def load_yaml(path: Path) -> dict:

@@ -9,33 +9,7 @@ import tomllib
 
 import pytest
 
-from tests.deploy.conftest import ROOT, tool
-
-DOCKERFILE = ROOT / "Dockerfile"
-
-
-def instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
-    out, pending = [], ""
-    for line in DOCKERFILE.read_text().splitlines():
-        if not pending and (not line.strip() or line.lstrip().startswith("#")):
-            continue
-        if line.lstrip().startswith("#"):
-            continue  # a comment inside a continued instruction
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        text = (pending + line).strip()
-        pending = ""
-        keyword, _, args = text.partition(" ")
-        out.append((keyword.upper(), args.strip()))
-    return out
-
-
-def final_stage() -> list[tuple[str, str]]:
-    ins = instructions()
-    last_from = max(i for i, (k, _) in enumerate(ins) if k == "FROM")
-    return ins[last_from:]
+from tests.deploy.conftest import DOCKERFILE, ROOT, final_stage, instructions, tool
 
 
 def packages() -> list[str]:

@@ -7,8 +7,7 @@ import re
 import pytest
 
 from server.run import BACKSTOP_S
-from tests.deploy.conftest import DEPLOY, check_server_args, load_yaml
-from tests.deploy.test_dockerfile import final_stage
+from tests.deploy.conftest import DEPLOY, check_server_args, final_stage, load_yaml
 
 # The oldest Kubernetes still in wide use and the newest the validator knows.
 K8S_VERSIONS = ("1.25.0", None)

@@ -19,8 +19,8 @@ from bench.server_procs import free_port, stop
 from deploy.dashboard import ACCEPTED, DRAFTED, DRAFTS, acceptance_length, acceptance_rate
 from tests.deploy.conftest import TOOLS_MISSING, tool
 from tests.deploy.promql import as_promql
-from tests.server.conftest import MODEL, llm_engine, wait_idle  # noqa: F401  (llm_engine: a fixture spec_engine uses)
-from tests.server.test_spec_metrics import COPY_PROMPT, scrape, server, spec_engine  # noqa: F401  (fixtures)
+from tests.server.conftest import MODEL, wait_idle
+from tests.server.spec_server import COPY_PROMPT, llm_engine, scrape, server, spec_engine  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -8,7 +8,7 @@ import torch
 from engine.attention import SeqSpec, build_attention_metadata, paged_attention, tree_mask
 from engine.attention.metadata import MAX_BATCHED_QUERY
 from engine.spec_decode import tree
-from tests.engine_core.attention_problems import dense_attention
+from bench.attention_problems import dense_attention
 
 
 def test_tree_mask_hand_drawn():

@@ -16,7 +16,7 @@ from engine.layers import cpu_kernels
 from engine.attention.lse import masked_attention_lse, merge_attention
 from engine.attention.varlen_backend import flash_kernel, torch_kernel
 from engine.attention.varlen_metadata import VarlenGroup, build_varlen_metadata
-from tests.engine_core.attention_problems import CASES, make_problem, reference_kernel
+from bench.attention_problems import CASES, make_problem, reference_kernel
 
 
 def dense_with_lse(q, k, v, visible):

@@ -124,7 +124,7 @@ def test_rope_matches_torch_on_a_strided_view():
 
 @needs_kernel
 def test_paged_attention_of_a_token_does_not_depend_on_the_others(kernel_build):
-    from tests.engine_core.attention_problems import make_problem
+    from bench.attention_problems import make_problem
 
     from engine.attention import build_attention_metadata, paged_attention
 

@@ -12,7 +12,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RunnerOutput
 from tests.engine_core.engine_helpers import greedy, run
-from tests.engine_core.test_scheduler import EOS, check_runner_tables, counts, create_scheduler, fake_token, step
+from tests.engine_core.scheduler_helpers import EOS, check_runner_tables, counts, create_scheduler, fake_token, step
 
 VOCAB = 512
 

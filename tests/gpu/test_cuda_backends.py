@@ -8,7 +8,7 @@ import torch
 
 from engine.attention import paged_attention, select_backend
 from engine.attention.backends import BACKENDS, flash_attn_installed
-from tests.engine_core.attention_problems import make_problem
+from bench.attention_problems import make_problem
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 CUDA = torch.device("cuda")

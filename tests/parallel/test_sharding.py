@@ -111,7 +111,7 @@ def test_sizes_the_model_cannot_take_fail_clearly():
 
 
 def test_tensor_parallel_size_flag_and_environment(monkeypatch):
-    from tests.server.test_settings_cli import settings_from
+    from tests.server.conftest import settings_from
 
     monkeypatch.setenv("SPECSERVE_TENSOR_PARALLEL_SIZE", "3")
     assert settings_from([]).engine_config().parallel == ParallelConfig(tensor_parallel_size=3)

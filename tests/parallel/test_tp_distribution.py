@@ -12,8 +12,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import load_model
 from tests.parallel.checkpoints import save_random_llama
-from tests.spec.distribution import V, exact_joint, p_value, sample_joint
-from tests.spec.test_distribution import NUM_SAMPLES, SETTINGS, _resample_from_p, llama_logits
+from tests.spec.distribution import NUM_SAMPLES, SETTINGS, V, exact_joint, llama_logits, p_value, resample_from_p, sample_joint
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +47,7 @@ def split_engine(path) -> LLMEngine:
 @pytest.mark.parametrize("broken", [False, True], ids=["exact", "broken-sampler-is-caught"])
 def test_split_target_emits_its_distribution(checkpoint, exact_logits, broken, monkeypatch):
     if broken:  # sampling happens on rank 0 only: patching this process breaks it
-        monkeypatch.setattr(rejection_sampler, "residual_distribution", _resample_from_p)
+        monkeypatch.setattr(rejection_sampler, "residual_distribution", resample_from_p)
     engine = split_engine(checkpoint)
     try:
         counts = sample_joint(engine, SETTINGS[0], NUM_SAMPLES)

@@ -15,11 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.server_procs import free_port
 from engine.config import ParallelConfig
 from tests.conftest import check_no_lost_blocks
 from tests.parallel.checkpoints import save_random_llama, tp_engine
 from tests.server.conftest import LiveServer, settings
-from tests.server.test_shutdown import free_port
 
 pytestmark = pytest.mark.slow
 

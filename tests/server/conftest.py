@@ -17,6 +17,7 @@ import pytest
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from server.app import create_app
+from server.cli import build_parser
 from server.run import build_server
 from server.settings import ServerSettings
 from tests.conftest import DEFAULT_MAX_MODEL_LEN
@@ -89,6 +90,12 @@ class LiveServer:
 
     def http(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 120), **kw)
+
+
+def settings_from(argv: list[str]) -> ServerSettings:
+    """The settings ``specserve serve ARGV`` runs with."""
+    args = build_parser().parse_args(["serve", *argv])
+    return ServerSettings(**{k: v for k, v in vars(args).items() if k in ServerSettings.model_fields})
 
 
 def settings(**overrides) -> ServerSettings:

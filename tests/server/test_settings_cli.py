@@ -6,11 +6,7 @@ from pydantic import ValidationError
 from engine.config import EngineConfig
 from server.cli import build_parser, main
 from server.settings import ServerSettings
-
-
-def settings_from(argv: list[str]) -> ServerSettings:
-    args = build_parser().parse_args(["serve", *argv])
-    return ServerSettings(**{k: v for k, v in vars(args).items() if k in ServerSettings.model_fields})
+from tests.server.conftest import settings_from
 
 
 def test_defaults_serve_the_default_model_on_all_interfaces(monkeypatch):

@@ -5,7 +5,6 @@ keeps no module-scoped server on the shared engine.
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from bench.server_procs import free_port
 from tests.server.conftest import LiveServer, settings, wait_idle
 
 LONG = {"prompt": "Count to one thousand:", "max_tokens": 900, "ignore_eos": True, "stream": True}
@@ -76,12 +76,6 @@ def test_graceful_shutdown(llm_engine, timeout, finishes):
     else:
         assert last["error"]["code"] == "shutting_down" and last["error"]["type"] == "server_error"
     wait_idle(llm_engine, timeout=5)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_sigterm_drains_a_real_server(tmp_path):

@@ -6,43 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
-from engine.llm_engine import LLMEngine
 from tests.deploy.conftest import TOOLS_MISSING, tool
 from tests.deploy.promql import as_promql, dashboard_exprs, input_series, promtool_test, returns_data
-from tests.server.conftest import MAX_MODEL_LEN, MODEL, LiveServer, settings, wait_idle
+from tests.server.conftest import MODEL, wait_idle
+from tests.server.spec_server import COPY_PROMPT, K, scrape, server, spec_engine  # noqa: F401  (fixtures)
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dashboards" / "specserve.json"
-K = 5
-COPY_PROMPT = (
-    "Repeat the following list exactly, one item per line:\n"
-    + "\n".join(f"item {i}: the quick brown fox jumps over the lazy dog" for i in range(8))
-)
-
-
-@pytest.fixture(scope="module")
-def spec_engine(llm_engine) -> LLMEngine:
-    config = EngineConfig(
-        ModelConfig(max_model_len=MAX_MODEL_LEN),
-        CacheConfig(memory_bytes=64 << 20),
-        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=K, verify_cost=0.05),
-    )
-    return LLMEngine(config, model=llm_engine.model, tokenizer=llm_engine.tokenizer)
-
-
-@pytest.fixture(scope="module")
-def server(spec_engine):
-    with LiveServer(settings(), spec_engine) as s:
-        yield s
-
-
-def scrape(server) -> dict[str, list]:
-    text = server.http().get("/metrics").text
-    return {f.name: f.samples for f in text_string_to_metric_families(text)}
-
-
 def value(samples, name: str, **labels) -> float:
     return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 

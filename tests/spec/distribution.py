@@ -10,10 +10,12 @@ bias. ``exact_joint`` enumerates every continuation, so penalties that depend
 on the tokens emitted so far are exact too.
 """
 
+import functools
 from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
+import torch
 from scipy.stats import chisquare
 
 from engine import CacheConfig, EngineConfig, ModelConfig, SamplingParams, SchedulerConfig
@@ -21,6 +23,8 @@ from engine.config import SpeculativeConfig
 from engine.llm_engine import LLMEngine
 
 V = 6
+NUM_SAMPLES = 20_000
+SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)]
 PROMPT = [0, 1, 2, 3, 4, 5, 0]  # every token occurs, so prompt lookup always finds a draft
 POSITIONS = (1, 2, 3)  # output[0] comes from the prefill; with k = 2, output[3] is the first round's bonus
 
@@ -166,3 +170,53 @@ def sample_joint(engine: LLMEngine, settings: dict, num_samples: int, positions=
     assert 0.05 < spec.accepted / spec.drafted < 0.95, (spec.accepted, spec.drafted)
     assert sum(spec.bonus[i] for i in positions) > num_samples // 20, spec.bonus
     return joint_counts(outputs, positions)
+
+
+def resample_from_p(p, q):
+    """The classic bug, patched in as ``residual_distribution`` to show a test's power:
+    after a rejection, sample from p instead of the residual."""
+    return p
+
+
+# ---- a tiny multi-layer Llama whose first layer drafts for it (early exit, EAGLE) ----
+
+
+def tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig
+
+    from engine.models.llama import LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # Later layers get smaller weights, so the first layer alone is a fair draft.
+            std = 0.5 if "embed" in name or "lm_head" in name else 0.3 if "layers.0." in name else 0.25
+            param.copy_(torch.randn(param.shape, generator=gen) * std)
+            if "norm" in name:
+                param.fill_(1.0)
+    return model.eval()
+
+
+def llama_logits(model):
+    """``context -> the model's raw next-token logits`` from one fresh prefill, memoized."""
+    from engine.attention import SeqSpec, build_attention_metadata
+    from engine.models.llama import head_dim_of
+    from kvcache.tensors import KVSpec, PagedKV
+
+    cfg = model.config
+
+    @functools.cache
+    def logits(context: tuple[int, ...]) -> np.ndarray:
+        spec = KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), 16, torch.float32)
+        kv = PagedKV(spec, 4, "cpu")
+        meta = build_attention_metadata([SeqSpec(0, len(context), [0, 1, 2, 3])], 16)
+        with torch.inference_mode():
+            hidden = model(torch.tensor(context), torch.arange(len(context)), meta, kv)
+            return model.compute_logits(hidden[-1:])[0].double().numpy()
+
+    return lambda context: logits(tuple(context))

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from drafters.eagle_head import load_eagle_head
 from engine import SamplingParams
@@ -15,44 +14,10 @@ from engine.spec_decode import tree
 from engine.attention import SeqSpec, build_attention_metadata
 from engine.attention.backends import CPU, TORCH
 from engine.layers import cpu_kernels
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
-from engine.llm_engine import LLMEngine
-from engine.models.llama import LlamaForCausalLM, head_dim_of
+from engine.models.llama import head_dim_of
 from kvcache.tensors import KVSpec, PagedKV
 from tests.engine_core.engine_helpers import greedy
-from tests.spec.eagle_heads import write_random_head
-
-PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 3, 9, 3, 7], [4, 4, 4, 11, 2, 8, 1]]
-
-
-def small_target(vocab_size: int = 16, layers: int = 6, seed: int = 0) -> LlamaForCausalLM:
-    """A random Llama of a small vocabulary: a random head's drafts are then accepted now and then."""
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False)
-    gen = torch.Generator().manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            std = 1.0 if "embed" in name or "lm_head" in name else p.shape[-1] ** -0.5
-            p.copy_(torch.ones_like(p) if "norm" in name else torch.randn(p.shape, generator=gen) * std)
-    return model.eval()
-
-
-def eagle_engine(model, method=None, head=None, k: int = 3, **tree) -> LLMEngine:
-    spec = SpeculativeConfig(method=method, model=str(head), num_speculative_tokens=k, adaptive=False, verify_cost=0.05,
-                             **tree)
-    config = EngineConfig(ModelConfig(max_model_len=128, dtype="float32", device="cpu"), CacheConfig(num_blocks=64),
-                          speculative=spec if method else SpeculativeConfig())
-    return LLMEngine(config, model=model, tokenizer=None)
-
-
-def run(engine, prompts, max_tokens=30) -> list[list[int]]:
-    reqs = [engine.add_request(f"r{i}", p, greedy(max_tokens)) for i, p in enumerate(prompts)]
-    while engine.has_unfinished():
-        engine.step()
-    return [r.output_token_ids for r in reqs]
-
+from tests.spec.eagle_heads import PROMPTS, eagle_engine, run, small_target, write_random_head
 
 KINDS = [("eagle", {}), ("eagle3", {"draft_vocab": 12})]
 

@@ -8,9 +8,18 @@ import torch
 
 from drafters.eagle import EagleDrafter
 from engine.spec_decode import rejection_sampler, tree_sampler
-from tests.spec.distribution import exact_joint, make_engine, p_value, sample_joint
+from tests.spec.distribution import (
+    NUM_SAMPLES,
+    SETTINGS,
+    exact_joint,
+    llama_logits,
+    make_engine,
+    p_value,
+    resample_from_p,
+    sample_joint,
+    tiny_llama,
+)
 from tests.spec.eagle_heads import random_head
-from tests.spec.test_distribution import NUM_SAMPLES, SETTINGS, _resample_from_p, llama_logits, tiny_llama
 
 
 TREE = {"tree_width": 3, "max_tree_nodes": 6}
@@ -50,7 +59,7 @@ def test_eagle_rounds_emit_target_distribution(kind):
 @pytest.mark.slow  # 20,000 requests
 @pytest.mark.timeout(3600)
 def test_the_eagle_distribution_test_rejects_a_broken_sampler(monkeypatch):
-    monkeypatch.setattr(rejection_sampler, "residual_distribution", _resample_from_p)
+    monkeypatch.setattr(rejection_sampler, "residual_distribution", resample_from_p)
     target, engine = eagle_engine("eagle3")
     counts = sample_joint(engine, SETTINGS[1], NUM_SAMPLES)
     assert p_value(counts, exact_joint(llama_logits(target), SETTINGS[1])) < 1e-3

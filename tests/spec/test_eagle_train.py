@@ -11,7 +11,7 @@ import torch
 from training.eagle_train import _load_state, _restore, _save, new_head, training_step, ttt_loss
 from engine.models.llama import head_dim_of
 from kvcache.tensors import KVSpec, PagedKV
-from tests.spec.test_eagle import PROMPTS, eagle_engine, run, small_target
+from tests.spec.eagle_heads import PROMPTS, eagle_engine, run, small_target
 
 TRAINED = Path("~/.cache/specserve/heads/SmolLM2-135M-Instruct-eagle3").expanduser()
 

@@ -23,8 +23,7 @@ from engine.sampling_params import GuidedDecoding
 from drafters.draft_model import ModelDrafter
 from drafters.ngram import NgramDrafter
 from tests.spec.bigram import BigramLM, bigram_table, perturbed
-from tests.spec.distribution import V, make_engine, p_value, processed
-from tests.spec.test_distribution import SETTINGS
+from tests.spec.distribution import SETTINGS, V, make_engine, p_value, processed
 
 NUM_SAMPLES = 20_000
 with torch.random.fork_rng():  # bigram_table draws from the global generator: pin it

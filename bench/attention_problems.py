@@ -1,5 +1,6 @@
 """Random paged-attention problems, and a float64 reference of the varlen kernel
-contract, shared by the CPU backend tests and the gpu-marked ones."""
+contract: what ``bench.gpu_check`` runs the backends against on a GPU, and what the
+CPU backend tests and the gpu-marked ones check them with."""
 
 from dataclasses import dataclass
 
