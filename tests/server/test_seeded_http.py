@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from tests.server.conftest import LiveServer, settings, wait_idle
-from tests.spec.test_seeded_traffic import DRAFTERS, PROMPT, build
+from tests.spec.seeded_engines import DRAFTERS, PROMPT, build
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
          "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa"]
