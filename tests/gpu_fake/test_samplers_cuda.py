@@ -127,17 +127,20 @@ def test_tree_verify():
 
 
 def test_verify_of_a_mixed_batch():
-    """Greedy requests beside sampled ones: the sampled ones' rows are picked on the device."""
+    """Greedy requests beside sampled ones: the sampled ones' rows are picked on the device, and
+    the greedy rows' argmax and the sampled verdicts reach the host in one sync."""
     drafts = [Draft([7, 8]), None, Draft([7, 9, 8], None, (-1, -1, 0)), Draft([5])]
 
-    def fn(device):
+    def fn(device, gpu=None):
         g = torch.Generator().manual_seed(7)
         probs = torch.softmax(logits_for(10, seed=8), -1).to(device)  # [3 + 1 + 4 + 2 rows, V]
         uniforms, noise = torch.rand(6, generator=g).to(device), torch.empty(3, V).exponential_(generator=g).to(device)
-        argmax = probs.argmax(-1).tolist()
-        return verify(drafts, [False, True, False, False], argmax, probs, uniforms, noise)
+        before = gpu.counts.num_syncs if gpu else 0
+        verified = verify(drafts, [False, True, False, False], probs.argmax(-1), probs, uniforms, noise)
+        assert gpu is None or gpu.counts.num_syncs - before == 1, gpu.counts
+        return verified
 
     cpu = fn("cpu")
-    with fake_cuda():
-        got = fn("cuda")
+    with fake_cuda() as gpu:
+        got = fn("cuda", gpu)
     assert got == cpu
