@@ -209,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
         ropes = {kind: rotary(positions, hidden.dtype) for kind, rotary in self.rotaries.items()}
         fused = self._fused_steps(hidden, ropes, meta)  # (tensors kept alive through the loop, per-layer steps)
         taken = {}
-        for i, layer in enumerate(self.layers):  # (slicing a ModuleList builds a new one: ~0.15 ms a step)
+        for i, layer in enumerate(self.layers):  # not self.layers[:num_layers]: slicing builds a new ModuleList each step
             if i == num_layers:
                 break
             if i in capture:
