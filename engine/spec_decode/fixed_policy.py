@@ -18,9 +18,9 @@ class FixedPolicy:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.states: dict[str, SpecState] = {}  # per request: its rounds, for the usage summary
-        k, w = config.num_speculative_tokens, config.tree_width
+        most, w = config.num_speculative_tokens, config.tree_width
         # The static tree, else the widest product tree within max_tree_nodes, else chains.
-        self.template = config.static_tree() or (tree.product_tree([w] * k, config.max_tree_nodes) if w > 1 else None)
+        self.template = config.static_tree() or (tree.product_tree([w] * most, config.max_tree_nodes) if w > 1 else None)
 
     def plans_shared(self, num_running: int) -> bool:
         return True

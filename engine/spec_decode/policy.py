@@ -46,8 +46,8 @@ Estimates of the conditional acceptance ``r_i = P(draft i accepted | drafts
 before it accepted)``, so that ``a_i = r_1 * ... * r_i``, are kept per request
 and per context class (a 5-token suffix match predicts far better than a
 1-token one), starting from the rates pooled over all requests of that class.
-The policy picks the ``g`` in ``1..k`` with the best tokens per cost. When even
-that is below 1 by the request's own record, the rates pooled over all requests
+The policy picks the ``g`` in ``1..num_speculative_tokens`` with the best tokens per
+cost. When even that is below 1 by the request's own record, the rates pooled over all requests
 of the class (a slower average) have a second say: if drafting pays by them,
 the request drafts as they advise: the request's record, a 0.3-weight average,
 wanders far from a steady rate (at a first-draft acceptance of 0.4, four misses
@@ -278,12 +278,12 @@ class SpecPolicy:
         self._step_costs = costs
         self._verify_memo: dict[tuple[int, int], list[float]] = {}  # (batch, rows) -> _verify_costs
 
-    def _best_chain(self, rates: list[float], k: int, v: list[float]) -> tuple[int, float]:
-        """``(g, gain)``: the chain length in 1..k with the most tokens per step of cost,
-        ``(1 + a_1 + ... + a_g) / (V(g) + g c)`` (the shortest on ties), in one pass over g;
-        ``v``: ``_verify_costs``."""
+    def _best_chain(self, rates: list[float], most: int, v: list[float]) -> tuple[int, float]:
+        """``(g, gain)``: the num_draft_tokens g in 1..most with the most tokens per step of
+        cost, ``(1 + a_1 + ... + a_g) / (V(g) + g c)`` (the shortest on ties), in one pass
+        over g; ``v``: ``_verify_costs``."""
         best, accepted, survive = (0, 0.0), 0.0, 1.0
-        for g in range(1, k + 1):
+        for g in range(1, most + 1):
             survive *= rates[g - 1]
             accepted += survive
             gain = (1 + accepted) / (v[g] + g * self.c)
@@ -299,8 +299,8 @@ class SpecPolicy:
         if self.static:
             depth = max(self.static[0].depths) + 1
             return tree_policy.best(self.static, rates, siblings, lambda n: v[n] + depth * self.c)
-        k, w = self.config.num_speculative_tokens, self.config.tree_width
-        return tree_policy.best_grown(rates, siblings, k, w, v, self.c)
+        most, w = self.config.num_speculative_tokens, self.config.tree_width
+        return tree_policy.best_grown(rates, siblings, most, w, v, self.c)
 
     def plan(self, candidates: Sequence[Candidate], num_running: int) -> StepPlan:
         """Draft slots for each candidate (0: plain decoding; a chain's length or a tree's
@@ -331,7 +331,7 @@ class SpecPolicy:
         key, alone = c.context_class, c.isolated
         if key is None:
             return Decision(0, None, isolated=alone)
-        k = self.config.num_speculative_tokens
+        most = self.config.num_speculative_tokens
         st = self.states.get(c.request_id)
         cs = st.classes.get(key) if st is not None else None
         fresh = None if cs is not None else self._fresh(key, alone)
@@ -339,10 +339,10 @@ class SpecPolicy:
         if self._now(st, alone) < cs.paused_until:
             return Decision(0, key, isolated=alone)
         v = self._verify_costs(batch, rows, alone)
-        num_draft_tokens, gain, template = self._best_round(cs, k, v, c.trees)
+        num_draft_tokens, gain, template = self._best_round(cs, most, v, c.trees)
         pooled = None if alone else self.pooled.get(key)
         if gain < 1.0 and pooled is not None:  # the long run's second opinion
-            pooled_choice = self._best_round(pooled, k, v, c.trees)
+            pooled_choice = self._best_round(pooled, most, v, c.trees)
             if pooled_choice[1] >= 1.0:
                 num_draft_tokens, gain, template = pooled_choice
         if gain < 1.0:
@@ -351,11 +351,11 @@ class SpecPolicy:
             num_draft_tokens, template = 1, None  # a probe after a pause: the cheapest test of whether drafts pay again
         return Decision(num_draft_tokens, key, isolated=alone, fresh=fresh, template=template)
 
-    def _best_round(self, cs: ClassState, k: int, v: list[float], trees: bool):
+    def _best_round(self, cs: ClassState, most: int, v: list[float], trees: bool):
         """``(drafts, gain, tree template or None)``: the best chain, or tree where allowed
         and better, by the record ``cs``; ``v``: ``_verify_costs``."""
         rates = cs.estimate()
-        num_draft_tokens, gain = self._best_chain(rates, k, v)
+        num_draft_tokens, gain = self._best_chain(rates, most, v)
         if trees and (self.static or self.config.tree_width > 1):
             shape, tree_gain = self._best_tree(rates, cs.siblings, v)
             if tree_gain > gain and not tree.is_chain(shape):

@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "specserve.json"
 DOCKERFILE = ROOT / "Dockerfile"
+# The oldest Kubernetes still in wide use and the newest the validator knows.
+K8S_VERSIONS = ("1.25.0", None)
 TOOLS_MISSING = "{name} is not installed: run `make tools` as root (apt-get install prometheus) to enable this test"
 
 
@@ -126,3 +128,13 @@ def check_server_args(args: list[str]) -> None:
     assert ns.model.startswith("/models/"), "the model comes from the mounted /models"
     spec = args[args.index("--speculative-config") + 1]
     assert SpeculativeConfig.from_dict(json.loads(spec)).method in {"ngram", "draft_model", "early_exit"}
+
+
+def flag(args: list[str], name: str) -> str:
+    """A flag's value, given as ``--name value`` or ``--name=value``."""
+    for i, a in enumerate(args):
+        if a == name:
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    raise KeyError(name)

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from server.run import BACKSTOP_S
-from tests.deploy.conftest import DEPLOY, ROOT, check_server_args, interpolate, tool
+from tests.deploy.conftest import DEPLOY, ROOT, check_server_args, flag, interpolate, tool
 
 REPLICAS = ("specserve-0", "specserve-1")
 
@@ -16,16 +16,6 @@ REPLICAS = ("specserve-0", "specserve-1")
 def seconds(duration: str) -> float:
     units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
     return sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", duration))
-
-
-def flag(args: list[str], name: str) -> str:
-    """A flag's value, given as ``--name value`` or ``--name=value``."""
-    for i, a in enumerate(args):
-        if a == name:
-            return args[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    raise KeyError(name)
 
 
 def worker_urls(args: list[str]) -> list[str]:

@@ -7,10 +7,7 @@ import re
 import pytest
 
 from server.run import BACKSTOP_S
-from tests.deploy.conftest import DEPLOY, check_server_args, final_stage, load_yaml
-
-# The oldest Kubernetes still in wide use and the newest the validator knows.
-K8S_VERSIONS = ("1.25.0", None)
+from tests.deploy.conftest import DEPLOY, K8S_VERSIONS, check_server_args, final_stage, load_yaml
 
 
 def container(k8s: dict) -> dict:

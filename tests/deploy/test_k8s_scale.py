@@ -14,9 +14,7 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.deploy.conftest import DEPLOY, check_server_args, load_yaml
-from tests.deploy.test_compose import flag
-from tests.deploy.test_k8s import K8S_VERSIONS
+from tests.deploy.conftest import DEPLOY, K8S_VERSIONS, check_server_args, flag, load_yaml
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (dev extra)")
 

@@ -8,8 +8,17 @@ import pytest
 
 from engine.layers import quant
 from engine.spec_decode import rejection_sampler
-from tests.spec.distribution import exact_joint, make_engine, p_value, sample_joint
-from tests.spec.test_distribution import NUM_SAMPLES, SETTINGS, _resample_from_p, llama_logits, tiny_llama
+from tests.spec.distribution import (
+    NUM_SAMPLES,
+    SETTINGS,
+    exact_joint,
+    llama_logits,
+    make_engine,
+    p_value,
+    resample_from_p,
+    sample_joint,
+    tiny_llama,
+)
 
 pytestmark = pytest.mark.skipif(quant.load() is None, reason="no CPU kernels here (AVX2, a C compiler)")
 
@@ -30,7 +39,7 @@ def test_early_exit_rounds_emit_the_quantized_target_distribution(settings):
 
 
 def test_the_test_rejects_a_broken_sampler_on_the_quantized_target(monkeypatch):
-    monkeypatch.setattr(rejection_sampler, "residual_distribution", _resample_from_p)
+    monkeypatch.setattr(rejection_sampler, "residual_distribution", resample_from_p)
     target = quantized_llama()
     counts = sample_joint(make_engine(target, None), SETTINGS[0], NUM_SAMPLES)
     assert p_value(counts, exact_joint(llama_logits(target), SETTINGS[0])) < 1e-3

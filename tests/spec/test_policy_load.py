@@ -44,10 +44,10 @@ def simulate(costs: StepCosts, acceptance: float, batch: int = 64, steps: int = 
         plan = policy.plan(candidates, batch)
         for rid, d in plan.decisions.items():
             accepted = 0
-            while accepted < d.num_draft_slots and rng.random() < acceptance:
+            while accepted < d.num_draft_tokens and rng.random() < acceptance:
                 accepted += 1
-            policy.record(rid, d, d.num_draft_slots, accepted)
-            drafted += d.num_draft_slots
+            policy.record(rid, d, d.num_draft_tokens, accepted)
+            drafted += d.num_draft_tokens
             tokens += accepted
         tokens += batch
         policy.end_step(plan)

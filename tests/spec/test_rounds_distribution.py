@@ -23,7 +23,7 @@ from engine.spec_decode import rejection_sampler
 from tests.spec.distribution import PROMPT, make_engine, run_groups
 from tests.spec.eagle_heads import random_head
 from tests.spec.rounds import conditional_p_value
-from tests.spec.test_distribution import llama_logits, tiny_llama
+from tests.spec.distribution import llama_logits, tiny_llama
 
 CPU = torch.device("cpu")
 MAX_TOKENS = 8  # output[0] from the prefill, then rounds of up to 2 drafts: 2 to 7 rounds
