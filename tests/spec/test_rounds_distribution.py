@@ -20,10 +20,9 @@ from drafters.eagle import EagleDrafter
 from drafters.ngram import NgramDrafter
 from engine import SamplingParams
 from engine.spec_decode import rejection_sampler
-from tests.spec.distribution import PROMPT, make_engine, run_groups
+from tests.spec.distribution import PROMPT, llama_logits, make_engine, resample_from_p, run_groups, tiny_llama
 from tests.spec.eagle_heads import random_head
 from tests.spec.rounds import conditional_p_value
-from tests.spec.distribution import llama_logits, tiny_llama
 
 CPU = torch.device("cpu")
 MAX_TOKENS = 8  # output[0] from the prefill, then rounds of up to 2 drafts: 2 to 7 rounds
@@ -61,10 +60,6 @@ def plain_q_for_siblings(draw):
     ]
 
 
-def _resample_from_p(p, q):
-    return p
-
-
 # ---- an EAGLE head's and ngram+eagle's rounds ----
 
 # Resampling from p after a rejection: lambda 170 (eagle3) and 190 (ngram+eagle3) at
@@ -94,7 +89,7 @@ def test_ngram_eagle_rounds_emit_the_target_distribution():
 @pytest.mark.parametrize("make", [eagle3, pytest.param(ngram_eagle3, marks=pytest.mark.slow)],
                          ids=["eagle3", "ngram+eagle3"])
 def test_power_the_eagle_rounds_check_rejects_resampling_from_p(make, monkeypatch):
-    monkeypatch.setattr(rejection_sampler, "residual_distribution", _resample_from_p)
+    monkeypatch.setattr(rejection_sampler, "residual_distribution", resample_from_p)
     target = tiny_llama()
     assert conditional_p_value(sampled_outputs(target, make(target), NUM_EAGLE), llama_logits(target), T1) < 1e-3
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import engine.runner
+import engine.spec_decode.verify
 from drafters.draft_model import ModelDrafter
 from drafters.early_exit import EarlyExitDrafter
 from drafters.ngram import NgramDrafter
@@ -144,14 +145,14 @@ def sampled_run(drafter, settings: dict, monkeypatch) -> np.ndarray:
                                                max_num_batched_tokens=16384), speculative=spec)
     llm = LLMEngine(config, model=BigramLM(TARGET), tokenizer=None, drafter=drafter)
     ranks = []
-    real = engine.runner.tree_verify
+    real = engine.spec_decode.verify.tree_verify
 
-    def recorded(argmax, meta, *args):
-        out, acc, nodes = real(argmax, meta, *args)
+    def recorded(meta, *args):
+        out, acc, nodes = real(meta, *args)
         ranks.append(later_siblings_accepted(meta, nodes))
         return out, acc, nodes
 
-    monkeypatch.setattr(engine.runner, "tree_verify", recorded)
+    monkeypatch.setattr(engine.spec_decode.verify, "tree_verify", recorded)
     params = SamplingParams(max_tokens=4, ignore_eos=True, **settings)
     reqs = [llm.add_request(f"r{i}", PROMPT, params) for i in range(NUM_SAMPLES)]
     while llm.has_unfinished():
