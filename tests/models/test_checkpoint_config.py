@@ -14,7 +14,7 @@ from engine.config import SpeculativeConfig
 from engine.loader import load_model
 from tests.engine_core.engine_helpers import prompt_logits
 from tests.models.families import GENERATION_EOS
-from tests.models.test_families import PROMPTS, family_engine, greedy_tokens
+from tests.models.family_engines import PROMPTS, family_engine, greedy_tokens
 
 
 def test_eos_ids_and_sampling_defaults_come_from_the_generation_config(tiny_checkpoint):

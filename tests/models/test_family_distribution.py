@@ -15,7 +15,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import arch_of
 from engine.spec_decode import rejection_sampler
 from tests.spec.distribution import V, exact_joint, make_engine, p_value, sample_joint
-from tests.spec.test_distribution import NUM_SAMPLES, SETTINGS, _resample_from_p, llama_logits
+from tests.spec.distribution import NUM_SAMPLES, SETTINGS, llama_logits, resample_from_p
 
 SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
@@ -51,7 +51,7 @@ def test_rounds_emit_the_target_distribution(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_the_check_rejects_a_broken_sampler(name, monkeypatch):
-    monkeypatch.setattr(rejection_sampler, "residual_distribution", _resample_from_p)
+    monkeypatch.setattr(rejection_sampler, "residual_distribution", resample_from_p)
     target = tiny(name)
     counts = sample_joint(make_engine(target, None), SETTINGS[0], NUM_SAMPLES)
     assert p_value(counts, exact_joint(llama_logits(target), SETTINGS[0])) < 1e-3

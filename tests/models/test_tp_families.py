@@ -15,7 +15,7 @@ from engine.distributed.worker import kv_spec
 from engine.loader import load_model
 from kvcache.tensors import PagedKV
 from tests.models.families import FAMILIES
-from tests.models.test_families import PROMPTS
+from tests.models.family_engines import PROMPTS
 
 CPU = torch.device("cpu")
 NEW_TOKENS = 12
