@@ -8,11 +8,11 @@ import warnings
 import pytest
 import torch
 
+from bench.attention_problems import make_problem
 from engine.attention import paged_attention
 from engine.attention.backends import FLASH_ATTN, TORCH_VARLEN
 from engine.attention.lse import masked_attention_lse, merge_attention
 from engine.attention.metadata import tree_mask
-from tests.engine_core.attention_problems import make_problem
 from tests.gpu_fake import flash_attn_standin
 from tests.gpu_fake.fake_cuda import fake_cuda, value
 from tests.gpu_fake.flash_attn_sdist import real_flash_attn
