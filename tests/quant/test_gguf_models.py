@@ -15,7 +15,7 @@ from engine.loader import load_model, load_tokenizer
 from tests.engine_core.engine_helpers import prompt_logits
 from tests.quant.gguf_models import CHAT_TEMPLATE, tiny_llama, write_gguf
 
-pytestmark = pytest.mark.skipif(quant.load() is None, reason="no CPU kernels here (AVX2, a C compiler)")
+kernels = pytest.mark.skipif(quant.load() is None, reason="no CPU kernels here (AVX2, a C compiler)")
 CPU, F32 = torch.device("cpu"), torch.float32
 PROMPT = list(range(5, 70))
 
@@ -54,6 +54,7 @@ def kinds_of(model) -> dict[str, list[str]]:
             if isinstance(m, PackedLinear) and m.qweight is not None}
 
 
+@kernels
 def test_quantized_tensors_stay_in_their_blocks(mixed_file):
     model = load_model(mixed_file, F32, CPU)
     kinds = kinds_of(model)
@@ -64,6 +65,7 @@ def test_quantized_tensors_stay_in_their_blocks(mixed_file):
     assert model.embed_tokens.weight.is_meta and model.layers[0].mlp.gate_up_proj.weight.is_meta
 
 
+@kernels
 def test_logits_match_transformers_reading_the_same_file(mixed_file):
     """Dequantized (``--quantization none``): transformers' numbers to float32 rounding; kept in
     blocks: within the 8-bit activations' error (a few percent on a random model) and the
@@ -94,6 +96,7 @@ def test_tokenizer_and_chat_template_come_from_the_file(q4_1_file):
     assert tok.decode(tok.encode("the cat", add_special_tokens=False)) == "the cat"
 
 
+@kernels
 def test_a_type_without_a_kernel_is_refused_with_its_name(tmp_path):
     path = write_gguf(tiny_llama(), tmp_path / "q5_0.gguf", lambda n: "Q5_0" if n == "blk.1.ffn_up" else "Q4_1")
     with pytest.raises(ValueError, match="blk.1.ffn_up.weight is Q5_0"):
@@ -101,6 +104,7 @@ def test_a_type_without_a_kernel_is_refused_with_its_name(tmp_path):
     load_model(path, F32, CPU, quantization="none")  # dequantized, it serves
 
 
+@kernels
 @pytest.mark.parametrize("mode, body", [("int8", "Q8_0"), ("int4", "Q4_1")])
 def test_a_float_checkpoint_quantized_at_load(mode, body, tmp_path):
     model = tiny_llama()
@@ -115,6 +119,7 @@ def test_a_float_checkpoint_quantized_at_load(mode, body, tmp_path):
         load_model(write_gguf(model, tmp_path / "m.gguf"), F32, CPU, quantization=mode)
 
 
+@kernels
 def test_fused_quantized_layers_give_the_bits_of_the_layer_modules(tiny_model):
     """A decode and verification step (decodes, a chain, a tree) through one C call per layer,
     its four matmuls on GGUF blocks, gives the same logits and KV cache bits as the layer
