@@ -116,8 +116,8 @@ def accepts_second_siblings(p_table, draft, n: int = 2000) -> bool:
     probs = torch.tensor(p_table[np.concatenate([last[:, None], tokens], axis=1)], dtype=torch.float32).flatten(0, 1)
     qs = [None] * n if q is None else list(torch.tensor(q, dtype=torch.float32))
     meta = build_verify_metadata(tokens.tolist(), [PARENTS] * n, qs, V)
-    _, _, nodes = tree_verify(probs.argmax(-1), meta, torch.zeros(n, dtype=torch.bool), probs,
-                              torch.rand(n * len(PARENTS), generator=g), torch.empty(n, V).exponential_(generator=g))
+    _, _, nodes = tree_verify(meta, probs, torch.rand(n * len(PARENTS), generator=g),
+                              torch.empty(n, V).exponential_(generator=g))
     first = nodes[:, 0].numpy()  # the accepted node at depth 0, -1 where none
     later = (first >= 0) & (tree.ranks(PARENTS)[np.clip(first, 0, None)] >= 1)
     return later.mean() > 0.1
