@@ -180,14 +180,23 @@ def model_tree():
     return ModelDrafter(BigramLM(DRAFT), 1, 3000, 16, torch.float32, torch.device("cpu"), 0.1)
 
 
-@pytest.mark.parametrize("settings", SETTINGS, ids=["t1.0", "t0.7-p0.9"])
-@pytest.mark.parametrize("make_drafter", [ngram_tree, model_tree], ids=["ngram", "draft_model"])
+SLOW = pytest.mark.slow  # the default suite runs each drafter and each setting once
+TREE_CASES = [
+    pytest.param(ngram_tree, SETTINGS[0], id="ngram-t1.0"),
+    pytest.param(ngram_tree, SETTINGS[1], id="ngram-t0.7-p0.9", marks=SLOW),
+    pytest.param(model_tree, SETTINGS[0], id="draft_model-t1.0", marks=SLOW),
+    pytest.param(model_tree, SETTINGS[1], id="draft_model-t0.7-p0.9"),
+]
+
+
+@pytest.mark.parametrize("make_drafter, settings", TREE_CASES)
 def test_sampling_with_trees_emits_the_target_joint(make_drafter, settings, monkeypatch):
     counts = sampled_run(make_drafter(), settings, monkeypatch)
     assert p_value(counts, exact_joint(bigram_logits, settings)) > 1e-3
 
 
-@pytest.mark.parametrize("make_drafter", [ngram_tree, model_tree], ids=["ngram", "draft_model"])
+@pytest.mark.parametrize("make_drafter", [pytest.param(ngram_tree, id="ngram", marks=SLOW),
+                                          pytest.param(model_tree, id="draft_model")])
 def test_power_no_residual_update_between_siblings(make_drafter, monkeypatch):
     monkeypatch.setattr(tree_sampler, "residual_distribution", lambda r, q: r)  # every sibling tried against p
     counts = sampled_run(make_drafter(), SETTINGS[0], monkeypatch)
