@@ -25,7 +25,8 @@ measured after it:
   its weights and runtime hold.
 
 specserve serves the default model from its GGUF file's Q4_1 blocks, as llama.cpp does;
-``specserve-float32`` serves its float32 conversion (``--quantization none``), as vLLM does.
+``specserve-float32`` serves its float32 conversion (``--quantization none``), as vLLM does;
+a ``-ngram`` suffix adds prompt lookup (``specserve-float32-ngram``).
 
 Greedy texts are kept, and each pair of servers is counted for identical
 texts. The peers are looked for in ``--peers-dir`` (default ``~/peers``):
@@ -82,9 +83,9 @@ def server_command(name: str, port: int, peers: Path, baseline: Path | None = No
             return None
         cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--max-model-len", "2048", "--served-model-name", "smol", "--kv-cache-memory-bytes", str(KV_BYTES["specserve"])]
-        if name.endswith("-ngram"):
+        if "-ngram" in name:
             cmd += ["--speculative-config", json.dumps(SPEC_NGRAM)]
-        if name.endswith("-float32"):
+        if "-float32" in name:
             cmd += ["--quantization", "none"]
         return cmd, env, baseline if name.startswith("specserve-baseline") else None
     if name.startswith("vllm"):
