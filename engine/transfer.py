@@ -2,8 +2,8 @@
 
 On CUDA an array goes through pinned memory (torch's caching host allocator, which
 keeps a block until the copy reading it has run) and is copied without blocking: the
-host goes on building the step while the copies run, and a step's inputs no longer
-cost one blocking transfer each. Elsewhere the array itself is the tensor (no copy).
+host goes on building the step while the copies run, rather than waiting on one
+blocking transfer per input. Elsewhere the array itself is the tensor (no copy).
 """
 
 import numpy as np
