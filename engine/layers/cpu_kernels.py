@@ -7,8 +7,8 @@ so a row's result is the same bits at any batch size and a step's few rows read 
 weights once (`python -m bench.kernels`). ``paged_attention`` attends every query straight
 from the paged cache, the keys read once for the query vectors that share them, with one
 fixed arithmetic per vector. ``rms_norm``, ``rope`` and ``silu_mul`` replace chains of
-small torch ops (each handing off to the thread pool), and ``decoder_layer`` runs a whole
-layer in one call. Together they make the engine batch invariant, bit for bit.
+small torch ops (each handing off to the thread pool), ``moe`` runs a mixture of experts
+(routing, experts, weighted sum) in one call, and ``decoder_layer`` a whole layer. Together they make the engine batch invariant, bit for bit.
 
 The C sources (``csrc/``) are compiled once per machine and flag set with the system's C
 compiler (``compile_library``, which other kernel files can use for their own library) into
@@ -35,7 +35,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("cpu_kernels.c", "matmul.c", "attention.c")  # in CSRC, with its headers
+SOURCES = ("cpu_kernels.c", "matmul.c", "attention.c", "moe.c")  # in CSRC, with its headers
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 AVX512 = ("-mavx512f",)  # added where the CPU has it, unless SPECSERVE_CPU_AVX512=0
 
@@ -120,10 +120,11 @@ def build(compiler: str, flags: tuple[str, ...]):
     lib.silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.rope_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.decoder_layer_f32.argtypes = (
-        [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 20 + [ctypes.c_int]
+        [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 21 + [ctypes.c_int]
     )
+    lib.moe_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     for f in (lib.matmul_f32, lib.rms_norm_f32, lib.paged_attention_f32, lib.silu_mul_f32, lib.rope_f32,
-              lib.decoder_layer_f32):
+              lib.decoder_layer_f32, lib.moe_f32):
         f.restype = None
     return lib
 
@@ -214,23 +215,59 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return y
 
 
+class MoEArgs(ctypes.Structure):
+    """A mixture of experts as ``moe`` and ``decoder_layer`` take it (csrc/common.h ``moe_t``):
+    built by ``moe_args``, which keeps what it points to alive."""
+
+    _fields_ = [("experts", ctypes.c_int64), ("top_k", ctypes.c_int64), ("inter", ctypes.c_int64),
+                ("normalize", ctypes.c_int64), ("shared_inter", ctypes.c_int64), ("router", ctypes.c_void_p),
+                ("gate_up", ctypes.POINTER(ctypes.c_void_p)), ("down", ctypes.POINTER(ctypes.c_void_p)),
+                ("shared_gate", ctypes.c_void_p), ("shared_gate_up", ctypes.c_void_p), ("shared_down", ctypes.c_void_p)]
+
+
+def moe_args(router: KernelWeight, experts: list[tuple[KernelWeight, KernelWeight]], top_k: int, normalize: bool,
+             shared: tuple[KernelWeight, KernelWeight, KernelWeight] | None = None) -> MoEArgs:
+    """The ``MoEArgs`` of a router [E, hidden], E experts' (gate+up [2I, hidden], down
+    [hidden, I]) and, where there is one, a shared expert's (gate [1, hidden], gate+up
+    [2S, hidden], down [hidden, S]), all laid out by ``kernel_weight`` and never moved after."""
+    pointers = lambda ms: (ctypes.c_void_p * len(ms))(*(m.data.data_ptr() for m in ms))  # noqa: E731
+    args = MoEArgs(len(experts), top_k, experts[0][1].in_features, int(normalize),
+                   shared[2].in_features if shared else 0, router.data.data_ptr(),
+                   pointers([gu for gu, _ in experts]), pointers([d for _, d in experts]),
+                   *(m.data.data_ptr() for m in shared or ()))
+    args.weights = (router, experts, shared)  # the tensors the addresses point into
+    return args
+
+
+def moe(x: torch.Tensor, args: MoEArgs) -> torch.Tensor:
+    """x [T, hidden] -> [T, hidden]: the mixture of experts of ``args`` (``moe_args``): each
+    token's top_k experts weighted and summed in rank order (csrc/moe.c); a token's result
+    is the same bits whatever the other tokens are."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    load().moe_f32(ctypes.addressof(args), x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                   torch.get_num_threads())
+    return out
+
+
 def layer_args(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
-               norms: tuple[torch.Tensor, torch.Tensor], matrices: tuple[KernelWeight, ...],
+               norms: tuple[torch.Tensor, torch.Tensor], matrices: tuple[KernelWeight | None, ...],
                qkv_bias: torch.Tensor | None = None, qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None,
-               matmul: int | None = None) -> tuple:
+               matmul: int | None = None, moe: MoEArgs | None = None) -> tuple:
     """A decoder layer's constant arguments of ``decoder_layer``: its sizes, and the addresses
     of its input and post-attention norms' weights (float32, contiguous), of its qkv, o,
     gate+up and down matrices (``kernel_weight``; or, with ``matmul``, the address of a C
     function of csrc/cpu_kernels.c's ``layer_matmul_fn``, the handles it reads, as ints), and
     of its qkv bias and per-head q and k norm weights where it has them, none of them ever
-    moved afterwards."""
+    moved afterwards. With ``moe`` (``moe_args``) the mixture of experts replaces the gated
+    MLP: gate+up and down are then None, ``inter`` 0."""
     extra = (qkv_bias,) + (qk_norms or (None, None))
     assert all(w.dtype == torch.float32 and w.is_contiguous() for w in (*norms, *(t for t in extra if t is not None)))
     ln1, ln2 = (w.data_ptr() for w in norms)
-    qkv, o, gate_up, down = (m if isinstance(m, int) else m.data.data_ptr() for m in matrices)
+    qkv, o, gate_up, down = (m if m is None or isinstance(m, int) else m.data.data_ptr() for m in matrices)
     b_qkv, q_norm, k_norm = (None if t is None else t.data_ptr() for t in extra)
     return (hidden, heads, kv_heads, head_dim, inter, eps, head_dim**-0.5, ln1, qkv, o, ln2, gate_up, down,
-            b_qkv, q_norm, k_norm, matmul)
+            b_qkv, q_norm, k_norm, matmul, None if moe is None else ctypes.addressof(moe))
 
 
 def step_args(cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor,

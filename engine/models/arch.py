@@ -60,10 +60,11 @@ class Arch:
     @property
     def fusable(self) -> bool:
         """Whether a decoder layer of this family can run as one C call (``cpu_kernels.decoder_layer``):
-        Llama's shape with at most qkv biases, per-head q/k norms and sliding windows."""
+        Llama's shape with at most qkv biases, per-head q/k norms, sliding windows and mixtures
+        of experts."""
         return (not self.o_bias and not self.mlp_bias and self.qk_norm in (None, "head") and not self.norm_offset
                 and not self.sandwich_norms and self.activation == "silu" and self.attn_scale is None
-                and self.attn_softcap is None and not any(self.moe_layers))
+                and self.attn_softcap is None)
 
 
 def head_dim_of(config) -> int:

@@ -144,26 +144,30 @@ class LlamaDecoderLayer(nn.Module):
     def fused_args(self) -> tuple | None:
         """This layer's ``cpu_kernels.layer_args`` (the whole layer in one C call), or None
         where it cannot run that way: no kernels, not float32 on the CPU, not Llama's layer
-        shape (``Arch.fusable``), tensor parallel (its all-reduces sit between the kernels), or
-        matrices some in GGUF blocks and some not. Call after ``prepack``."""
+        shape (``Arch.fusable``), tensor parallel (its all-reduces sit between the kernels),
+        matrices some in GGUF blocks and some not, or experts not in one C call
+        (``SparseMoE.prepack``). Call after ``prepack``."""
         attn, mlp = self.self_attn, self.mlp
         w = attn.qkv_proj.weight
         norms = (self.input_layernorm, self.post_attention_layernorm)
+        moe = mlp.kernel if isinstance(mlp, SparseMoE) else None  # the experts' one-call arguments
         if (cpu_kernels.load() is None or w.dtype != torch.float32 or norms[0].weight.device.type != "cpu"
-                or not isinstance(mlp, LlamaMLP) or attn.o_proj.tp.size > 1 or norms[0].eps != norms[1].eps):
+                or not (isinstance(mlp, LlamaMLP) or moe is not None) or attn.o_proj.tp.size > 1
+                or norms[0].eps != norms[1].eps):
             return None
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        linears = (attn.qkv_proj, attn.o_proj) + ((mlp.gate_up_proj, mlp.down_proj) if moe is None else ())
         matrices, matmul = tuple(m.kernel for m in linears), None
-        if all(m.qweight is not None for m in linears):  # GGUF blocks: quant.linear's matmul
+        if moe is None and all(m.qweight is not None for m in linears):  # GGUF blocks: quant.linear's matmul
             matrices, matmul = tuple(m.qweight.handle for m in linears), quant.layer_matmul()
         if any(m is None for m in matrices):  # not laid out for the kernel (not float32 on the CPU)
             return None
         bias = attn.qkv_proj.bias
         qk_norms = (attn.q_norm.weight.data, attn.k_norm.weight.data) if attn.qk_norm == "head" else None
-        return cpu_kernels.layer_args(w.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                      mlp.down_proj.weight.shape[1], norms[0].eps, (norms[0].weight.data,
-                                      norms[1].weight.data), matrices, None if bias is None else bias.data, qk_norms,
-                                      matmul=matmul)
+        inter = 0 if moe is not None else mlp.down_proj.weight.shape[1]
+        return cpu_kernels.layer_args(w.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim, inter,
+                                      norms[0].eps, (norms[0].weight.data, norms[1].weight.data),
+                                      matrices + (None,) * (4 - len(matrices)), None if bias is None else bias.data,
+                                      qk_norms, matmul=matmul, moe=moe)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -235,6 +239,9 @@ class LlamaForCausalLM(nn.Module):
         for module in linears:
             module.prepack(quantize and quantize[module is self.lm_head])
         self.embed_tokens.pack_quantized()
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module.prepack()
         self.min_rows = calibrate_min_rows(linears)
         fused = [layer.fused_args() for layer in self.layers] if self.arch.fusable else []
         self.fused = fused if fused and all(fused) else None
@@ -249,8 +256,8 @@ class LlamaForCausalLM(nn.Module):
                 or not cpu_kernels.usable(hidden)):
             return None
         attn = self.layers[0].self_attn
-        size = cpu_kernels.scratch_size(t, hidden.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                        self.layers[0].mlp.down_proj.weight.shape[1])
+        inter = max(args[4] for args in self.fused)  # the widest dense MLP's (a MoE layer's is 0)
+        size = cpu_kernels.scratch_size(t, hidden.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim, inter)
         kept, steps = [torch.empty(size)], {}
         for kind, window in dict.fromkeys(zip(self.arch.rope_kinds, self.arch.windows)):
             cos, sin = (r.contiguous() for r in ropes[kind])

@@ -14,6 +14,10 @@ Under tensor parallelism every expert is split by rows, like a dense MLP (each
 rank holds its slice of every expert's intermediate features, so routing skew
 never leaves a rank idle); the experts' partial sums and the shared expert's
 are all-reduced once per layer.
+
+With the CPU kernels (float32, SiLU experts) the whole module is one C call,
+``cpu_kernels.moe``, the same the one-call decoder layer makes: routing, the
+token-sorted experts and the sum, with no torch op or host sync between them.
 """
 
 import re
@@ -21,6 +25,7 @@ import re
 import torch
 from torch import nn
 
+from engine.layers import cpu_kernels
 from engine.layers.linear import ReplicatedLinear
 from engine.models.arch import Arch, MoESpec, llama_arch
 from engine.parallel import TPGroup
@@ -29,6 +34,8 @@ EXPERT_NAMES = {"gate_proj": ".gate_proj.", "up_proj": ".up_proj.", "down_proj":
 
 
 class SparseMoE(nn.Module):
+    kernel: cpu_kernels.MoEArgs | None = None  # the module as cpu_kernels.moe takes it (set by prepack)
+
     def __init__(self, arch: Arch, tp: TPGroup):
         super().__init__()
         from engine.models.llama import LlamaMLP  # the experts are the dense MLP, summed by this module
@@ -41,6 +48,22 @@ class SparseMoE(nn.Module):
         if spec.shared_intermediate_size:
             self.shared_expert = expert(spec.shared_intermediate_size)
             self.shared_expert_gate = ReplicatedLinear(arch.hidden_size, 1)
+        self.activation = arch.activation
+
+    def prepack(self) -> None:
+        """Once its linear layers are laid out for the C matmul (``LlamaForCausalLM.prepack``):
+        take their addresses for ``cpu_kernels.moe``, unless one of them is not in that layout
+        (no kernels, not float32 on the CPU, GGUF blocks) or the experts are not SiLU's."""
+        experts = [(e.gate_up_proj.kernel, e.down_proj.kernel) for e in self.experts]
+        shared = None
+        if hasattr(self, "shared_expert"):
+            s = self.shared_expert
+            shared = (self.shared_expert_gate.kernel, s.gate_up_proj.kernel, s.down_proj.kernel)
+        matrices = [self.gate.kernel, *(m for pair in experts for m in pair), *(shared or ())]
+        if self.activation != "silu" or any(m is None for m in matrices):
+            self.kernel = None
+            return
+        self.kernel = cpu_kernels.moe_args(self.gate.kernel, experts, self.spec.top_k, self.spec.normalize, shared)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, top_k] in x's dtype, expert ids [T, top_k])."""
@@ -52,6 +75,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
+        if self.kernel is not None and cpu_kernels.usable(x):
+            return self.tp.all_reduce(cpu_kernels.moe(x, self.kernel))
         weights, ids = self.route(x)
         t, k = ids.shape
         order = torch.argsort(ids.view(-1), stable=True)  # [T * k] pairs sorted by expert

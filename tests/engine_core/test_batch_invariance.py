@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine.layers import cpu_kernels
+from engine.models.arch import MoESpec, llama_arch
 from engine.sampling_params import SamplingParams
 from tests.engine_core.conftest import AVX512_BUILD
 from tests.engine_core.engine_helpers import run
@@ -34,10 +35,15 @@ def kernel_path(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture
-def model(tiny_model, kernel_path):
-    """A tiny model (head size 64) laid out for the path's matmul, as the loader does."""
-    m = tiny_model(vocab_size=VOCAB, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+FAMILIES = {"llama": None, "mixtral": lambda c: llama_arch(c, moe=MoESpec(4, 2, 128, True), moe_layers=(True, True))}
+
+
+@pytest.fixture(params=list(FAMILIES))
+def model(request, tiny_model, kernel_path):
+    """A tiny model (head size 64) laid out for the path's matmul, as the loader does: a Llama,
+    and a mixture of experts (its tokens' experts grouped differently in each step)."""
+    m = tiny_model(vocab_size=VOCAB, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                   arch=FAMILIES[request.param])
     m.prepack()
     assert (m.lm_head.kernel is not None) == kernel_path.startswith("c")
     return m

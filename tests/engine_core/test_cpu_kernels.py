@@ -8,7 +8,7 @@ import torch
 
 from engine.layers import cpu_kernels
 from engine.layers.linear import ColumnParallelLinear
-from engine.models.arch import llama_arch
+from engine.models.arch import MoESpec, llama_arch
 from tests.engine_core.conftest import AVX512_BUILD
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2/FMA CPU or no C compiler")
@@ -166,11 +166,46 @@ def test_paged_attention_of_a_chain_gives_each_row_its_bits_alone(kernel_build, 
         torch.testing.assert_close(out[i], torch.einsum("hl,lhd->hd", weights, values), rtol=1e-5, atol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("shared", [0, 40], ids=["mixtral", "shared-expert"])
+def test_moe_matches_torch_and_a_token_alone(kernel_build, shared):
+    """``moe``: each token's top-2 of 5 experts (softmax, renormalized without a shared
+    expert, as Mixtral; with one, unnormalized plus sigmoid(gate) * shared, as Qwen2-MoE)
+    weighted and summed; every token's row is the same bits computed alone."""
+    E, K, Hd, inter, T = 5, 2, 64, 48, 9
+    g = torch.Generator().manual_seed(7 + shared)
+    rnd = lambda *shape: torch.randn(*shape, generator=g) * shape[-1] ** -0.5  # noqa: E731
+    router, experts = rnd(E, Hd), [(rnd(2 * inter, Hd), rnd(Hd, inter)) for _ in range(E)]
+    shared_w = (rnd(1, Hd), rnd(2 * shared, Hd), rnd(Hd, shared)) if shared else None
+    kw = cpu_kernels.kernel_weight
+    args = cpu_kernels.moe_args(kw(router), [(kw(a), kw(b)) for a, b in experts], K, not shared,
+                                shared_w and tuple(kw(m) for m in shared_w))
+    x = torch.randn(T, Hd, generator=g)
+
+    def mlp(x, gate_up, down):
+        gate, up = (x @ gate_up.T).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up) @ down.T
+
+    weights, ids = torch.topk(torch.softmax(x @ router.T, -1), K)
+    if not shared:
+        weights = weights / weights.sum(-1, keepdim=True)
+    want = torch.stack([sum(weights[t, j] * mlp(x[t], *experts[ids[t, j]]) for j in range(K)) for t in range(T)])
+    if shared:
+        want += torch.sigmoid(x @ shared_w[0].T) * mlp(x, *shared_w[1:])
+    got = cpu_kernels.moe(x, args)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for t in range(T):
+        assert torch.equal(cpu_kernels.moe(x[t : t + 1], args)[0], got[t])
+
+
 FUSED_FAMILIES = {  # the families whose layers run as one C call, as the shared decoder builds them
     "llama": None,
     "qwen2-biases": lambda c: llama_arch(c, qkv_bias=True, o_bias=False),
     "qwen3-qk-norm": lambda c: llama_arch(c, qk_norm="head"),
     "mistral-window": lambda c: llama_arch(c, windows=(4, None)),  # one sliding layer of 4 positions, one global
+    "mixtral-moe": lambda c: llama_arch(c, moe=MoESpec(4, 2, 96, True), moe_layers=(True, False)),  # then dense
+    "qwen2-moe-shared": lambda c: llama_arch(c, qkv_bias=True, o_bias=False, moe=MoESpec(4, 2, 48, False, 80),
+                                             moe_layers=(True, True)),
 }
 
 
@@ -180,7 +215,7 @@ FUSED_FAMILIES = {  # the families whose layers run as one C call, as the shared
 def test_fused_layers_give_the_bits_of_the_layer_modules(tiny_model, kernel_build, heads, head_dim, family):
     """A decode and verification step (decodes, a chain, a tree) through one C call per
     layer gives the same logits and KV cache bits as the layer modules' kernel calls, for
-    Llama and the families close to it (biases, q/k norms, sliding windows)."""
+    Llama and the families close to it (biases, q/k norms, sliding windows, experts)."""
     from engine.attention import SeqSpec, build_attention_metadata
     from tests.engine_core.engine_helpers import scratch_cache
 

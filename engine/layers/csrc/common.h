@@ -49,4 +49,19 @@ void rms_norm_f32(const float *x, const float *w, float *y, int64_t T, int64_t H
 void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                          const int64_t *rows, const int64_t *start, const int64_t *len, const int64_t *slots,
                          float *out, int64_t n, int64_t H, int64_t KVH, int64_t D, float scale, int num_threads);
+void silu_mul_f32(const float *gu, float *out, int64_t T, int64_t I, int num_threads);
+
+/* A sparse mixture-of-experts MLP (moe.c): every weight [out, in] in matmul_f32's layout. */
+typedef struct {
+    int64_t experts, top_k, inter; /* E experts of intermediate size I (this rank's rows), top_k per token */
+    int64_t normalize;             /* the chosen probabilities renormalized to sum 1 */
+    int64_t shared_inter;          /* S: the shared expert's intermediate size, 0 where there is none */
+    const float *router;           /* [E, Hd] */
+    const float *const *gate_up;   /* [E] experts' [2 I, Hd] (gate rows, then up rows) */
+    const float *const *down;      /* [E] experts' [Hd, I] */
+    const float *shared_gate;      /* [1, Hd] */
+    const float *shared_gate_up;   /* [2 S, Hd] */
+    const float *shared_down;      /* [Hd, S] */
+} moe_t;
+void moe_f32(const moe_t *m, const float *h, float *out, int64_t T, int64_t Hd, int num_threads);
 #endif

@@ -70,9 +70,9 @@ void rope_f32(const float *x, int64_t x_stride, const float *cos, const float *s
     }
 }
 
-/* One Llama decoder layer (pre-norm attention, gated SiLU MLP, no output biases) for the T
- * tokens of a step (prefill chunks, decodes, drafts), every one of them attended through its
- * own list of KV slots; in place on x [T, Hd]. It makes the kernel calls of the
+/* One Llama decoder layer (pre-norm attention, a gated SiLU MLP or a mixture of experts, no
+ * output biases) for the T tokens of a step (prefill chunks, decodes, drafts), every one of
+ * them attended through its own list of KV slots; in place on x [T, Hd]. It makes the kernel calls of the
  * model's layer-by-layer forward (engine/models/llama.py) in the same order, so its
  * results are the same bits, without the Python and torch dispatch between them.
  * Weights [out, in], each in matmul_f32's layout: w_qkv [(H + 2 KVH) D, In], w_o [Hd, H D],
@@ -85,6 +85,8 @@ void rope_f32(const float *x, int64_t x_stride, const float *cos, const float *s
  * (Qwen3's) rms-normalize each query and key head before rope; NULL where the model has none.
  * mm: NULL for weights in matmul_f32's layout; otherwise the matmul that reads the four
  * weight pointers as its own handles (GGUF blocks: quant_kernels.c, quant_layer_matmul).
+ * moe: NULL for the gated MLP of w_gu and w_down; otherwise the sparse mixture of experts
+ * in its place (moe.c; w_gu, w_down and mm unused by it, I = 0).
  * scratch: at least T * (2 Hd + (2 H + 3 KVH) D + H D + 3 I) floats. */
 typedef void (*layer_matmul_fn)(const void *w, const float *x, float *y, int64_t M, int64_t N, int64_t K,
                                 int num_threads);
@@ -101,7 +103,7 @@ void decoder_layer_f32(float *x, const float *attn_in, int64_t In, int64_t T, in
                        int64_t D, int64_t I, float eps, float scale, const float *ln1, const float *w_qkv,
                        const float *w_o, const float *ln2, const float *w_gu, const float *w_down,
                        const float *b_qkv, const float *q_norm, const float *k_norm, layer_matmul_fn mm,
-                       float *k_cache,
+                       const moe_t *moe, float *k_cache,
                        float *v_cache, const float *cos, const float *sin, const int64_t *slot_mapping,
                        const int64_t *rows, const int64_t *start, const int64_t *len, const int64_t *slots,
                        float *scratch, int num_threads) {
@@ -133,8 +135,12 @@ void decoder_layer_f32(float *x, const float *attn_in, int64_t In, int64_t T, in
     layer_matmul(mm, att, w_o, o, T, Hd, H * D, num_threads);
     for (int64_t i = 0; i < T * Hd; i++) x[i] += o[i];
     rms_norm_f32(x, ln2, h, T, Hd, eps, num_threads);
-    layer_matmul(mm, h, w_gu, gu, T, 2 * I, Hd, num_threads);
-    silu_mul_f32(gu, a, T, I, num_threads);
-    layer_matmul(mm, a, w_down, o, T, Hd, I, num_threads);
+    if (moe) {
+        moe_f32(moe, h, o, T, Hd, num_threads);
+    } else {
+        layer_matmul(mm, h, w_gu, gu, T, 2 * I, Hd, num_threads);
+        silu_mul_f32(gu, a, T, I, num_threads);
+        layer_matmul(mm, a, w_down, o, T, Hd, I, num_threads);
+    }
     for (int64_t i = 0; i < T * Hd; i++) x[i] += o[i];
 }
