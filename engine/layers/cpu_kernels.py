@@ -8,7 +8,8 @@ weights once (`python -m bench.kernels`). ``paged_attention`` attends every quer
 from the paged cache, the keys read once for the query vectors that share them, with one
 fixed arithmetic per vector. ``rms_norm``, ``rope`` and ``silu_mul`` replace chains of
 small torch ops (each handing off to the thread pool), ``moe`` runs a mixture of experts
-(routing, experts, weighted sum) in one call, and ``decoder_layer`` a whole layer. Together they make the engine batch invariant, bit for bit.
+(routing, experts, weighted sum) in one call, and ``decoder_layer`` a whole layer.
+Together they make the engine batch invariant, bit for bit.
 
 The C sources (``csrc/``) are compiled once per machine and flag set with the system's C
 compiler (``compile_library``, which other kernel files can use for their own library) into

@@ -82,7 +82,8 @@ void moe_f32(const moe_t *m, const float *h, float *out, int64_t T, int64_t Hd, 
         }
     }
     if (S) {
-        float *g = ys + P * Hd, *sgu = g + T, *sa = sgu + T * 2 * S, *sy = sa + T * S; /* [T], [T, 2S], [T, S], [T, Hd] */
+        float *g = ys + P * Hd, *sgu = g + T; /* [T]: the shared expert's gate, [T, 2 S] */
+        float *sa = sgu + T * 2 * S, *sy = sa + T * S; /* [T, S], [T, Hd] */
         matmul_f32(h, m->shared_gate, g, T, 1, Hd, num_threads);
         gated_mlp(m->shared_gate_up, m->shared_down, h, sgu, sa, sy, T, Hd, S, num_threads);
         for (int64_t t = 0; t < T; t++) {
