@@ -37,9 +37,10 @@ static void gated_mlp(const float *w_gu, const float *w_down, const float *x, fl
 /* out [T, Hd] = for each token of h [T, Hd], the sum over its top_k experts in rank order
  * of weight * expert(h), plus sigmoid(shared_gate . h) * shared(h) where there is a shared
  * expert. The T * top_k (token, rank) pairs are sorted by expert (a counting sort, tokens
- * in order within an expert); each expert multiplies its run of gathered rows in one
- * matmul_f32, whose every row is the same bits at any row count, so a token's result never
- * depends on which tokens share its experts. Its buffers are allocated here: their size
+ * in order within an expert); each expert multiplies its run of gathered rows, all experts
+ * in one grouped_matmul_f32 per matrix (one fork and join, not one per expert), whose every
+ * row is the same bits at any row count, so a token's result never depends on which
+ * tokens share its experts. Its buffers are allocated here: their size
  * depends on T and top_k only. */
 void moe_f32(const moe_t *m, const float *h, float *out, int64_t T, int64_t Hd, int num_threads) {
     const int64_t E = m->experts, K = m->top_k, I = m->inter, S = m->shared_inter, P = T * K;
@@ -66,12 +67,21 @@ void moe_f32(const moe_t *m, const float *h, float *out, int64_t T, int64_t Hd, 
         pos[p] = next[ids[p]]++;
         memcpy(xs + pos[p] * Hd, h + p / K * Hd, sizeof(float) * Hd);
     }
+    const float *gu_in[E], *gu_w[E], *down_in[E], *down_w[E]; /* the experts with rows: inputs and weights */
+    float *gu_out[E], *down_out[E];
+    int64_t rows[E], used = 0;
     for (int64_t e = 0; e < E; e++) {
-        const int64_t r = first[e], n = first[e + 1] - r;
-        if (n)
-            gated_mlp(m->gate_up[e], m->down[e], xs + r * Hd, gu + r * 2 * I, a + r * I, ys + r * Hd, n, Hd, I,
-                      num_threads);
+        const int64_t r = first[e];
+        if (first[e + 1] == r)
+            continue;
+        gu_in[used] = xs + r * Hd, gu_w[used] = m->gate_up[e], gu_out[used] = gu + r * 2 * I;
+        down_in[used] = a + r * I, down_w[used] = m->down[e], down_out[used] = ys + r * Hd;
+        rows[used++] = first[e + 1] - r;
     }
+    /* gated_mlp's kernels, each over every expert at once */
+    grouped_matmul_f32(used, gu_in, gu_w, gu_out, rows, 2 * I, Hd, num_threads);
+    silu_mul_f32(gu, a, P, I, num_threads);
+    grouped_matmul_f32(used, down_in, down_w, down_out, rows, Hd, I, num_threads);
     for (int64_t t = 0; t < T; t++) {
         float *o = out + t * Hd;
         const float *y0 = ys + pos[t * K] * Hd;
