@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
-from engine.llm_engine import LLMEngine
 from engine.model_store import fetch_default_model
-from tests.server.conftest import MAX_MODEL_LEN, MODEL, LiveServer, settings, wait_idle
+from tests.server.bench_clients import ngram_server, spec_counters
+from tests.server.conftest import MODEL, wait_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -40,26 +39,8 @@ COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_
 def server(default_engine):
     if not AIPERF.exists():
         pytest.skip(f"AIPerf is not installed in {AIPERF.parent.parent}")
-    config = EngineConfig(
-        ModelConfig(max_model_len=MAX_MODEL_LEN),
-        CacheConfig(memory_bytes=64 << 20),
-        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=K, adaptive=False),
-    )
-    engine = LLMEngine(config, model=default_engine.model, tokenizer=default_engine.tokenizer)
-    with LiveServer(settings(), engine) as s:
+    with ngram_server(default_engine, K) as s:
         yield s
-    wait_idle(engine)
-
-
-def spec_counters(server) -> dict:
-    """The server's own speculative counters, read from its registry (not through /metrics)."""
-    def get(name, **labels):
-        value = server.serving.metrics.registry.get_sample_value(name, {"model_name": MODEL, "engine": "0", **labels})
-        return value or 0.0
-
-    out = {key: get(name + "_total") for key, name in COUNTERS.items()}
-    out["per_pos"] = [get("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(K)]
-    return out
 
 
 def speed_bench_file(path: Path) -> Path:
@@ -110,10 +91,10 @@ def exported_totals(run_dir: Path) -> dict:
 def test_aiperf_reports_the_acceptance_of_our_counters(server, tmp_path):
     runs = tmp_path / "runs"
     run_dir = runs / CATEGORY
-    before = spec_counters(server)
+    before = spec_counters(server, K)
     aiperf_profile(server, run_dir, speed_bench_file(tmp_path / "speed_bench.jsonl"))
     wait_idle(server.engine)
-    after = spec_counters(server)
+    after = spec_counters(server, K)
     delta = {k: after[k] - before[k] for k in COUNTERS}
     delta["per_pos"] = [a - b for a, b in zip(after["per_pos"], before["per_pos"])]
 

@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 
 from bench.peers import VLLM_MAIN
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
-from engine.llm_engine import LLMEngine
 from engine.model_store import fetch_default_model
-from tests.server.conftest import MAX_MODEL_LEN, MODEL, LiveServer, settings, wait_idle
+from tests.server.bench_clients import ngram_server, spec_counters
+from tests.server.conftest import MODEL, wait_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -42,29 +41,8 @@ ENDPOINTS = {"chat": ("openai-chat", "/v1/chat/completions"), "completions": ("o
 def server(default_engine):
     if not VLLM_PYTHON.exists():
         pytest.skip(f"vLLM's CPU build is not installed in {VLLM_PYTHON.parent.parent}")
-    config = EngineConfig(
-        ModelConfig(max_model_len=MAX_MODEL_LEN),
-        CacheConfig(memory_bytes=64 << 20),
-        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=K, adaptive=False),
-    )
-    engine = LLMEngine(config, model=default_engine.model, tokenizer=default_engine.tokenizer)
-    with LiveServer(settings(), engine) as s:
+    with ngram_server(default_engine, K) as s:
         yield s
-    wait_idle(engine)
-
-
-def spec_counters(server) -> dict:
-    """The server's own speculative counters, read from its registry (not through /metrics)."""
-    def get(name, **labels):
-        value = server.serving.metrics.registry.get_sample_value(name, {"model_name": MODEL, "engine": "0", **labels})
-        return value or 0.0
-
-    return {
-        "drafts": get("vllm:spec_decode_num_drafts_total"),
-        "draft_tokens": get("vllm:spec_decode_num_draft_tokens_total"),
-        "accepted": get("vllm:spec_decode_num_accepted_tokens_total"),
-        "per_pos": [get("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(K)],
-    }
 
 
 def vllm_bench(server, dataset: str, endpoint: str, out: Path) -> tuple[dict, str]:
@@ -90,10 +68,10 @@ def report(stdout: str) -> str:
 @pytest.mark.parametrize("endpoint", list(ENDPOINTS))
 @pytest.mark.parametrize("dataset", list(DATASETS))
 def test_vllm_bench_serve_reports_our_counters(server, dataset, endpoint, tmp_path):
-    before = spec_counters(server)
+    before = spec_counters(server, K)
     result, stdout = vllm_bench(server, dataset, endpoint, tmp_path / "result.json")
     wait_idle(server.engine)
-    after = spec_counters(server)
+    after = spec_counters(server, K)
     print(f"\n--- vllm bench serve, {dataset}, {endpoint} ---\n{report(stdout)}")
     assert result["completed"] == NUM_PROMPTS and result["failed"] == 0, result["errors"]
 
