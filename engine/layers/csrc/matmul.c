@@ -31,8 +31,6 @@ typedef __m512 vec;
 #define vstore _mm512_storeu_ps
 #define vbroadcast _mm512_set1_ps
 #define vfma _mm512_fmadd_ps
-#define PREFETCH_AHEAD 1024 /* floats ahead in a panel's stream, into L2 */
-#define PREFETCH_HINT _MM_HINT_T1
 #define K_CHUNK 0 /* the whole K per group of rows (chunks not measured on an AVX-512 CPU) */
 #else
 #define VW 8
@@ -43,11 +41,10 @@ typedef __m256 vec;
 #define vstore _mm256_storeu_ps
 #define vbroadcast _mm256_set1_ps
 #define vfma _mm256_fmadd_ps
-#define PREFETCH_AHEAD 512
-#define PREFETCH_HINT _MM_HINT_T0
 #define K_CHUNK 128 /* k per chunk: 12 KiB of a panel, in L1 beside a group's inputs and sums */
 #endif
 #define PANEL (VW * PV)
+#define PREFETCH_AHEAD 1536 /* floats ahead in a single group's stream (6 KiB), into L2 at every k step */
 #define RB 4 /* input rows per group */
 #define ROW_BLOCK 64 /* input rows per work item: items of one panel share it from L2 */
 
@@ -78,8 +75,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *p, con
     const int64_t pf_step = (pf_end - pf) / (k1 - k0) + 1; /* floats of the range per k step, rounded up */
     for (int64_t k = k0; k < k1; k++, p += PANEL) {
         if (ahead) {
-            if ((k & 1) == 0)
-                for (int c = 0; c < PV; c++) _mm_prefetch((const char *)(p + ahead + VW * c), PREFETCH_HINT);
+            for (int c = 0; c < PV; c++) _mm_prefetch((const char *)(p + ahead + VW * c), _MM_HINT_T1);
         } else if (pf < pf_end) {
             for (const float *q = pf + pf_step; pf < q; pf += 16) _mm_prefetch((const char *)pf, _MM_HINT_T1);
         }
