@@ -9,12 +9,16 @@ Runs the linear layers of the default model's 30 decoder layers (SmolLM2-135M sh
 random fp32 weights: speed does not depend on their values) over 1 to 256 rows with
 oneDNN (weights prepacked with a batch-size hint of 16, as the torch path does) and with
 ``cpu_kernels.matmul`` (where it builds: the build for this CPU, and on an AVX-512 CPU
-the AVX2-only build too); interleaved, the minimum of the repeats.
+the AVX2-only build too); interleaved, the minimum of the repeats. Beside them, the time
+the machine takes just to read the weights once (``stream_read.c``): the floor a decode
+step cannot go under.
 Writes bench/results/kernels.md and kernels.png.
 """
 
 import argparse
+import ctypes
 import time
+from pathlib import Path
 
 import torch
 
@@ -61,6 +65,26 @@ def time_pass(stack, rows: int) -> float:
     return (time.perf_counter() - t) * 1000
 
 
+def read_floor_ms(repeats: int) -> float | None:
+    """Milliseconds to read the 30 layers' weights once at the machine's streaming speed (the
+    minimum of ``repeats``), or None without the C kernels' compiler and CPU."""
+    if cpu_kernels.load() is None:
+        return None
+    path = cpu_kernels.compile_library("stream_read", [Path(__file__).with_name("stream_read.c")],
+                                       cpu_kernels.compiler(), cpu_kernels.FLAGS)
+    fn = ctypes.CDLL(str(path)).stream_read_f32
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int], ctypes.c_float
+    n = LAYERS * sum(i * o for i, o in SHAPES)
+    a = torch.ones(n + 16)
+    start = a[(-a.data_ptr() // 4) % 16:][:n]  # 64-byte aligned
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn(start.data_ptr(), n, torch.get_num_threads())
+        best = min(best, time.perf_counter() - t)
+    return best * 1000
+
+
 def kernels() -> dict[str, list]:
     """The stacks to time, by name: oneDNN and each C kernel build this CPU can run."""
     stacks = {ONEDNN: layer_stack()}
@@ -84,6 +108,7 @@ def main() -> None:
         for r in ROWS:
             for name, stack in stacks.items():
                 best[name, r] = min(best[name, r], time_pass(stack, r))
+    floor = read_floor_ms(args.repeats)
     c_names = [k for k in stacks if k != ONEDNN]
     header = ["tokens"] + [f"{k} (ms)" for k in stacks] + [f"{k}: cost / 1 token" for k in c_names]
     header += [f"{k} / oneDNN" for k in c_names]
@@ -94,6 +119,12 @@ def main() -> None:
              f"minimum of {args.repeats} interleaved repeats. The C kernel runs every row count in the "
              "engine (one chain over k per output: a token's bits never depend on its step); oneDNN "
              "runs them with `SPECSERVE_CPU_KERNELS=0`.")
+    if floor is not None:
+        weights_mb = LAYERS * sum(i * o for i, o in SHAPES) * 4 / 1e6
+        body += (f"\n\nReading the {weights_mb:.0f} MB of these weights once, at this machine's streaming read speed "
+                 f"(`bench/stream_read.c`, {torch.get_num_threads()} threads), takes {floor:.2f} ms "
+                 f"({weights_mb / floor:.1f} GB/s): the floor under a decode step's matmuls. "
+                 + "; ".join(f"{k} at 1 token: {floor / best[k, 1]:.2f} of that speed" for k in c_names) + ".")
     write_report("kernels", "CPU matmul kernels by tokens in a pass (SmolLM2-135M shapes, fp32)", body,
                  f"python -m bench.kernels --repeats {args.repeats}")
     plot(stacks, best)
