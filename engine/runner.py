@@ -223,7 +223,8 @@ class ModelRunner:
         """Plain decoding: one token per request. logits [n, vocab]; logprobs are of the raw
         logits, the sample of the grammar-masked ones."""
         if self._plain_greedy(requests):
-            tokens = logits.max(-1).indices.tolist()  # the greedy rule without drafts: argmax (the first maximum) in a third of its time
+            # the greedy rule without drafts: argmax (the first maximum) in a third of its time
+            tokens = logits.max(-1).indices.tolist()
             return RunnerOutput({r.request_id: [t] for r, t in zip(requests, tokens)})
         batch = build_sampling_batch(requests, self.vocab_size, self.device, self._generators(requests))
         tokens = sample(self._masked(logits, [(r.request_id, 0) for r in requests]), batch)
