@@ -41,7 +41,8 @@ def q8_emulation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     round(x * 127 / max|x|) to nearest even. Returns the codes [M, K] and scales [M, K / 32]."""
     blocks = x.view(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # 127 / amax rounded once, as the kernel does (torch's scalar / tensor is 127 * (1 / amax): two roundings)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     codes = torch.round(blocks * inv[..., None]).view_as(x)
     return codes, amax / 127.0
 
