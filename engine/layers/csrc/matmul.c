@@ -75,7 +75,8 @@ static inline __attribute__((always_inline)) void panel_rows(const float *p, con
     const int64_t pf_step = (pf_end - pf) / (k1 - k0) + 1; /* floats of the range per k step, rounded up */
     for (int64_t k = k0; k < k1; k++, p += PANEL) {
         if (ahead) {
-            for (int c = 0; c < PV; c++) _mm_prefetch((const char *)(p + ahead + VW * c), _MM_HINT_T1);
+            for (int c = 0; c < (PANEL + 15) / 16; c++) /* a prefetch per cache line of the step */
+                _mm_prefetch((const char *)(p + ahead + 16 * c), _MM_HINT_T1);
         } else if (pf < pf_end) {
             for (const float *q = pf + pf_step; pf < q; pf += 16) _mm_prefetch((const char *)pf, _MM_HINT_T1);
         }
