@@ -1,6 +1,28 @@
 /* The attention kernels of the CPU kernels, float32, x86-64 with AVX2 and FMA (AVX-512
- * paths where the CPU has it, -mavx512f). */
+ * paths where the CPU has it, -mavx512f).
+ *
+ * The cache holds kv_t: float (paged_attention_f32), or, where attention_bf16.c includes
+ * this file with ATTENTION_KV_BF16 defined, bfloat16 (paged_attention_kv_bf16). Keys and values are
+ * loaded as float32 (kv1, kv8, kv16: exact for bfloat16) and everything after the load is
+ * the same arithmetic in the same order, so both twins keep the same batch invariance. */
 #include "common.h"
+
+#ifdef ATTENTION_KV_BF16
+typedef uint16_t kv_t;
+#define PAGED_ATTENTION paged_attention_kv_bf16
+#define kv1 bf16_to_f32
+#define kv8 bf16x8_to_f32
+#define kv16 bf16x16_to_f32
+#else
+typedef float kv_t;
+#define PAGED_ATTENTION paged_attention_f32
+static inline float kv1(float x) { return x; }
+static inline __m256 kv8(const float *p) { return _mm256_loadu_ps(p); }
+#ifdef __AVX512F__
+static inline __m512 kv16(const float *p) { return _mm512_loadu_ps(p); }
+#endif
+#endif
+#define KV_LINES(DV) ((DV) * (int)sizeof(kv_t) / 4) /* 64-byte lines of one key of 16 * DV */
 
 /* Attention of listed tokens over the paged KV cache.
  *
@@ -52,7 +74,7 @@ static inline float softmax_row(float *sr, int64_t L, int64_t Lmax, float mx) {
  * scores: RH rows of stride ss floats. Softmax in two passes (scores and their max,
  * then exp and the weighted sum of values), the sum normalised once at the end. */
 static inline __attribute__((always_inline)) void attend512(const float *const *q, const int64_t *L, int64_t Lmax,
-                                                             const float *k_cache, const float *v_cache,
+                                                             const kv_t *k_cache, const kv_t *v_cache,
                                                              const int64_t *sl, int64_t KVH, int64_t g, float scale,
                                                              float *scores, int64_t ss, float *const *o, const int DV,
                                                              const int RH) {
@@ -63,13 +85,13 @@ static inline __attribute__((always_inline)) void attend512(const float *const *
         for (int d = 0; d < DV; d++) qv[r][d] = _mm512_mul_ps(_mm512_loadu_ps(q[r] + 16 * d), _mm512_set1_ps(scale));
     }
     for (int64_t j = 0; j < Lmax; j++) {
-        const float *kj = k_cache + (sl[j] * KVH + g) * 16 * DV;
+        const kv_t *kj = k_cache + (sl[j] * KVH + g) * 16 * DV;
         if (j + PF < Lmax) {
             const char *next = (const char *)(k_cache + (sl[j + PF] * KVH + g) * 16 * DV);
-            for (int d = 0; d < DV; d++) _mm_prefetch(next + 64 * d, _MM_HINT_T0);
+            for (int d = 0; d < KV_LINES(DV); d++) _mm_prefetch(next + 64 * d, _MM_HINT_T0);
         }
         __m512 kv[8];
-        for (int d = 0; d < DV; d++) kv[d] = _mm512_loadu_ps(kj + 16 * d);
+        for (int d = 0; d < DV; d++) kv[d] = kv16(kj + 16 * d);
         for (int r = 0; r < RH; r++) {
             __m512 s = _mm512_mul_ps(qv[r][0], kv[0]);
             for (int d = 1; d < DV; d++) s = _mm512_fmadd_ps(qv[r][d], kv[d], s);
@@ -83,13 +105,13 @@ static inline __attribute__((always_inline)) void attend512(const float *const *
         for (int d = 0; d < DV; d++) acc[r][d] = _mm512_setzero_ps();
     }
     for (int64_t j = 0; j < Lmax; j++) {
-        const float *vj = v_cache + (sl[j] * KVH + g) * 16 * DV;
+        const kv_t *vj = v_cache + (sl[j] * KVH + g) * 16 * DV;
         if (j + PF < Lmax) {
             const char *next = (const char *)(v_cache + (sl[j + PF] * KVH + g) * 16 * DV);
-            for (int d = 0; d < DV; d++) _mm_prefetch(next + 64 * d, _MM_HINT_T0);
+            for (int d = 0; d < KV_LINES(DV); d++) _mm_prefetch(next + 64 * d, _MM_HINT_T0);
         }
         __m512 vv[8];
-        for (int d = 0; d < DV; d++) vv[d] = _mm512_loadu_ps(vj + 16 * d);
+        for (int d = 0; d < DV; d++) vv[d] = kv16(vj + 16 * d);
         for (int r = 0; r < RH; r++) {
             const __m512 w = _mm512_set1_ps(scores[r * ss + j]);
             for (int d = 0; d < DV; d++) acc[r][d] = _mm512_fmadd_ps(w, vv[d], acc[r][d]);
@@ -104,7 +126,7 @@ static inline __attribute__((always_inline)) void attend512(const float *const *
 /* Scores of RH query vectors (a group of a work item) against keys j0 .. j1 - 1: the same
  * arithmetic per vector as attend512's first pass; mx[r] the running max over its own keys. */
 static inline __attribute__((always_inline)) void score_group(const float *const *q, const int64_t *L, int64_t j0,
-                                                               int64_t j1, int64_t Lmax, const float *k_cache,
+                                                               int64_t j1, int64_t Lmax, const kv_t *k_cache,
                                                                const int64_t *sl, int64_t KVH, int64_t g, float scale,
                                                                float *scores, int64_t ss, float *mx, int prefetch,
                                                                const int DV, const int RH) {
@@ -112,13 +134,13 @@ static inline __attribute__((always_inline)) void score_group(const float *const
     for (int r = 0; r < RH; r++)
         for (int d = 0; d < DV; d++) qv[r][d] = _mm512_mul_ps(_mm512_loadu_ps(q[r] + 16 * d), _mm512_set1_ps(scale));
     for (int64_t j = j0; j < j1; j++) {
-        const float *kj = k_cache + (sl[j] * KVH + g) * 16 * DV;
+        const kv_t *kj = k_cache + (sl[j] * KVH + g) * 16 * DV;
         if (prefetch && j + PF < Lmax) {
             const char *next = (const char *)(k_cache + (sl[j + PF] * KVH + g) * 16 * DV);
-            for (int d = 0; d < DV; d++) _mm_prefetch(next + 64 * d, _MM_HINT_T0);
+            for (int d = 0; d < KV_LINES(DV); d++) _mm_prefetch(next + 64 * d, _MM_HINT_T0);
         }
         __m512 kv[8];
-        for (int d = 0; d < DV; d++) kv[d] = _mm512_loadu_ps(kj + 16 * d);
+        for (int d = 0; d < DV; d++) kv[d] = kv16(kj + 16 * d);
         for (int r = 0; r < RH; r++) {
             __m512 s = _mm512_mul_ps(qv[r][0], kv[0]);
             for (int d = 1; d < DV; d++) s = _mm512_fmadd_ps(qv[r][d], kv[d], s);
@@ -132,20 +154,20 @@ static inline __attribute__((always_inline)) void score_group(const float *const
 /* The weighted values of keys j0 .. j1 - 1 added to the accumulators acc (RH rows of D
  * floats, zero before the first block): attend512's second pass, block by block. */
 static inline __attribute__((always_inline)) void value_group(int64_t j0, int64_t j1, int64_t Lmax,
-                                                               const float *v_cache, const int64_t *sl, int64_t KVH,
+                                                               const kv_t *v_cache, const int64_t *sl, int64_t KVH,
                                                                int64_t g, const float *scores, int64_t ss, float *acc,
                                                                int prefetch, const int DV, const int RH) {
     __m512 a[MAXV][8];
     for (int r = 0; r < RH; r++)
         for (int d = 0; d < DV; d++) a[r][d] = j0 ? _mm512_loadu_ps(acc + r * 16 * DV + 16 * d) : _mm512_setzero_ps();
     for (int64_t j = j0; j < j1; j++) {
-        const float *vj = v_cache + (sl[j] * KVH + g) * 16 * DV;
+        const kv_t *vj = v_cache + (sl[j] * KVH + g) * 16 * DV;
         if (prefetch && j + PF < Lmax) {
             const char *next = (const char *)(v_cache + (sl[j + PF] * KVH + g) * 16 * DV);
-            for (int d = 0; d < DV; d++) _mm_prefetch(next + 64 * d, _MM_HINT_T0);
+            for (int d = 0; d < KV_LINES(DV); d++) _mm_prefetch(next + 64 * d, _MM_HINT_T0);
         }
         __m512 vv[8];
-        for (int d = 0; d < DV; d++) vv[d] = _mm512_loadu_ps(vj + 16 * d);
+        for (int d = 0; d < DV; d++) vv[d] = kv16(vj + 16 * d);
         for (int r = 0; r < RH; r++) {
             const __m512 w = _mm512_set1_ps(scores[r * ss + j]);
             for (int d = 0; d < DV; d++) a[r][d] = _mm512_fmadd_ps(w, vv[d], a[r][d]);
@@ -170,8 +192,8 @@ static inline __attribute__((always_inline)) void value_group(int64_t j0, int64_
  * and its order, are attend512's: the same bits whichever vectors share the item. At 64
  * requests of 500 tokens a step's attention read each request's keys once per 4 vectors
  * from memory: a request's draft doubled its attention time. acc: MAXR * D floats. */
-static void attend_blocked512(const float *const *q, const int64_t *L, int64_t Lmax, int nv, const float *k_cache,
-                              const float *v_cache, const int64_t *sl, int64_t KVH, int64_t g, float scale,
+static void attend_blocked512(const float *const *q, const int64_t *L, int64_t Lmax, int nv, const kv_t *k_cache,
+                              const kv_t *v_cache, const int64_t *sl, int64_t KVH, int64_t g, float scale,
                               float *scores, int64_t ss, float *acc, float *const *o, int64_t D) {
     const int GR = D == 64 ? 4 : 2, DVN = (int)(D / 16);
     float mx[MAXR], total[MAXR];
@@ -205,8 +227,8 @@ static void attend_blocked512(const float *const *q, const int64_t *L, int64_t L
 }
 
 /* attend512 for nv vectors (at most 4 for D = 64, 2 for D = 128). */
-static void attend512_vectors(const float *const *q, const int64_t *L, int64_t Lmax, int nv, const float *k_cache,
-                              const float *v_cache, const int64_t *sl, int64_t KVH, int64_t g, float scale,
+static void attend512_vectors(const float *const *q, const int64_t *L, int64_t Lmax, int nv, const kv_t *k_cache,
+                              const kv_t *v_cache, const int64_t *sl, int64_t KVH, int64_t g, float scale,
                               float *scores, int64_t ss, float *const *o, int64_t D) {
     if (D == 64) {
         switch (nv) {
@@ -248,27 +270,27 @@ static inline __m256 reduce8(const __m256 *s) {
 }
 
 /* The score of the scaled query qs against key kj (D floats): see the path's comment. */
-static inline float score1(const float *qs, const float *kj, int64_t D) {
+static inline float score1(const float *qs, const kv_t *kj, int64_t D) {
     __m256 s = _mm256_setzero_ps();
     int64_t d = 0;
-    for (; d + 8 <= D; d += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(qs + d), _mm256_loadu_ps(kj + d), s);
+    for (; d + 8 <= D; d += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(qs + d), kv8(kj + d), s);
     float x = sum_tree(s);
-    for (; d < D; d++) x = fmaf(qs[d], kj[d], x);
+    for (; d < D; d++) x = fmaf(qs[d], kv1(kj[d]), x);
     return x;
 }
 
 /* out[0..7] = score1(qs, k[i]) for the 8 keys k[i]. */
-static inline void score8(const float *qs, const float *const *k, int64_t D, float *out) {
+static inline void score8(const float *qs, const kv_t *const *k, int64_t D, float *out) {
     __m256 s[8];
     for (int i = 0; i < 8; i++) s[i] = _mm256_setzero_ps();
     int64_t d = 0;
     for (; d + 8 <= D; d += 8) {
         const __m256 q = _mm256_loadu_ps(qs + d);
-        for (int i = 0; i < 8; i++) s[i] = _mm256_fmadd_ps(q, _mm256_loadu_ps(k[i] + d), s[i]);
+        for (int i = 0; i < 8; i++) s[i] = _mm256_fmadd_ps(q, kv8(k[i] + d), s[i]);
     }
     _mm256_storeu_ps(out, reduce8(s));
     for (int i = 0; i < 8; i++)
-        for (int64_t t = d; t < D; t++) out[i] = fmaf(qs[t], k[i][t], out[i]);
+        for (int64_t t = d; t < D; t++) out[i] = fmaf(qs[t], kv1(k[i][t]), out[i]);
 }
 
 /* exp(score - max) in place over a vector's own L keys (the max over them), 0 from there
@@ -295,31 +317,31 @@ static float softmax256(float *sr, int64_t L, int64_t Lmax) {
 }
 
 /* acc [D] += sum over keys j0 .. j1 - 1 of e[j] * value j: an FMA chain over j per dimension. */
-static void values256(const float *e, int64_t j0, int64_t j1, const float *v_cache, const int64_t *sl, int64_t KVH,
+static void values256(const float *e, int64_t j0, int64_t j1, const kv_t *v_cache, const int64_t *sl, int64_t KVH,
                       int64_t g, int64_t D, float *acc) {
     int64_t d = 0;
     for (; d + 64 <= D; d += 64) {
         __m256 a[8];
         for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(acc + d + 8 * c);
         for (int64_t j = j0; j < j1; j++) {
-            const float *vj = v_cache + (sl[j] * KVH + g) * D + d;
+            const kv_t *vj = v_cache + (sl[j] * KVH + g) * D + d;
             const __m256 w = _mm256_set1_ps(e[j]);
-            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 8 * c), a[c]);
+            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(w, kv8(vj + 8 * c), a[c]);
         }
         for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + d + 8 * c, a[c]);
     }
     for (; d + 8 <= D; d += 8) {
         __m256 a = _mm256_loadu_ps(acc + d);
         for (int64_t j = j0; j < j1; j++)
-            a = _mm256_fmadd_ps(_mm256_set1_ps(e[j]), _mm256_loadu_ps(v_cache + (sl[j] * KVH + g) * D + d), a);
+            a = _mm256_fmadd_ps(_mm256_set1_ps(e[j]), kv8(v_cache + (sl[j] * KVH + g) * D + d), a);
         _mm256_storeu_ps(acc + d, a);
     }
     for (; d < D; d++)
-        for (int64_t j = j0; j < j1; j++) acc[d] = fmaf(e[j], v_cache[(sl[j] * KVH + g) * D + d], acc[d]);
+        for (int64_t j = j0; j < j1; j++) acc[d] = fmaf(e[j], kv1(v_cache[(sl[j] * KVH + g) * D + d]), acc[d]);
 }
 
-static void attend256(const float *const *q, const int64_t *L, int64_t Lmax, int nv, const float *k_cache,
-                      const float *v_cache, const int64_t *sl, int64_t KVH, int64_t g, float scale, float *scores,
+static void attend256(const float *const *q, const int64_t *L, int64_t Lmax, int nv, const kv_t *k_cache,
+                      const kv_t *v_cache, const int64_t *sl, int64_t KVH, int64_t g, float scale, float *scores,
                       int64_t ss, float *qs, float *acc, float *const *o, int64_t D) {
     float total[MAXR];
     for (int r = 0; r < nv; r++) {
@@ -330,13 +352,13 @@ static void attend256(const float *const *q, const int64_t *L, int64_t Lmax, int
         const int64_t j1 = j0 + KB < Lmax ? j0 + KB : Lmax;
         int64_t j = j0;
         for (; j + 8 <= j1; j += 8) {
-            const float *k[8];
+            const kv_t *k[8];
             for (int i = 0; i < 8; i++) k[i] = k_cache + (sl[j + i] * KVH + g) * D;
             for (int r = 0; r < nv; r++)
                 if (j < L[r]) score8(qs + r * D, k, D, scores + r * ss + j);
         }
         for (; j < j1; j++) {
-            const float *kj = k_cache + (sl[j] * KVH + g) * D;
+            const kv_t *kj = k_cache + (sl[j] * KVH + g) * D;
             for (int r = 0; r < nv; r++)
                 if (j < L[r]) scores[r * ss + j] = score1(qs + r * D, kj, D);
         }
@@ -376,7 +398,7 @@ static int64_t attention_items(const int64_t *start, int64_t n, int64_t KVH, int
     return count;
 }
 
-void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+void PAGED_ATTENTION(const float *q, int64_t q_stride, const kv_t *k_cache, const kv_t *v_cache,
                          const int64_t *rows, const int64_t *start, const int64_t *len, const int64_t *slots,
                          float *out, int64_t n, int64_t H, int64_t KVH, int64_t D, float scale, int num_threads) {
     const int64_t rep = H / KVH;
