@@ -270,27 +270,47 @@ static inline __m256 reduce8(const __m256 *s) {
 }
 
 /* The score of the scaled query qs against key kj (D floats): see the path's comment. */
-static inline float score1(const float *qs, const kv_t *kj, int64_t D) {
+static inline float score1(const float *qs, const float *kj, int64_t D) {
     __m256 s = _mm256_setzero_ps();
     int64_t d = 0;
-    for (; d + 8 <= D; d += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(qs + d), kv8(kj + d), s);
+    for (; d + 8 <= D; d += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(qs + d), _mm256_loadu_ps(kj + d), s);
     float x = sum_tree(s);
-    for (; d < D; d++) x = fmaf(qs[d], kv1(kj[d]), x);
+    for (; d < D; d++) x = fmaf(qs[d], kj[d], x);
     return x;
 }
 
 /* out[0..7] = score1(qs, k[i]) for the 8 keys k[i]. */
-static inline void score8(const float *qs, const kv_t *const *k, int64_t D, float *out) {
+static inline void score8(const float *qs, const float *const *k, int64_t D, float *out) {
     __m256 s[8];
     for (int i = 0; i < 8; i++) s[i] = _mm256_setzero_ps();
     int64_t d = 0;
     for (; d + 8 <= D; d += 8) {
         const __m256 q = _mm256_loadu_ps(qs + d);
-        for (int i = 0; i < 8; i++) s[i] = _mm256_fmadd_ps(q, kv8(k[i] + d), s[i]);
+        for (int i = 0; i < 8; i++) s[i] = _mm256_fmadd_ps(q, _mm256_loadu_ps(k[i] + d), s[i]);
     }
     _mm256_storeu_ps(out, reduce8(s));
     for (int i = 0; i < 8; i++)
-        for (int64_t t = d; t < D; t++) out[i] = fmaf(qs[t], kv1(k[i][t]), out[i]);
+        for (int64_t t = d; t < D; t++) out[i] = fmaf(qs[t], k[i][t], out[i]);
+}
+
+/* rows[j - j0] = keys (or values) j0 .. j1 - 1 of KV head g as D floats: the cache's own
+ * rows for a float32 cache; a bfloat16 block widened once into buf (KB * D floats), which
+ * every vector of the item then reads from L1. */
+static inline void block_rows(const kv_t *cache, const int64_t *sl, int64_t j0, int64_t j1, int64_t KVH, int64_t g,
+                              int64_t D, float *buf, const float **rows) {
+    for (int64_t j = j0; j < j1; j++) {
+        const kv_t *src = cache + (sl[j] * KVH + g) * D;
+#ifdef ATTENTION_KV_BF16
+        float *dst = buf + (j - j0) * D;
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, kv8(src + d));
+        for (; d < D; d++) dst[d] = kv1(src[d]);
+        rows[j - j0] = dst;
+#else
+        (void)buf;
+        rows[j - j0] = src;
+#endif
+    }
 }
 
 /* exp(score - max) in place over a vector's own L keys (the max over them), 0 from there
@@ -316,59 +336,56 @@ static float softmax256(float *sr, int64_t L, int64_t Lmax) {
     return hsum(t);
 }
 
-/* acc [D] += sum over keys j0 .. j1 - 1 of e[j] * value j: an FMA chain over j per dimension. */
-static void values256(const float *e, int64_t j0, int64_t j1, const kv_t *v_cache, const int64_t *sl, int64_t KVH,
-                      int64_t g, int64_t D, float *acc) {
+/* acc [D] += sum over the n values v[j] (D floats each) of e[j] * v[j]: an FMA chain over j
+ * per dimension. */
+static void values256(const float *e, int64_t n, const float *const *v, int64_t D, float *acc) {
     int64_t d = 0;
     for (; d + 64 <= D; d += 64) {
         __m256 a[8];
         for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(acc + d + 8 * c);
-        for (int64_t j = j0; j < j1; j++) {
-            const kv_t *vj = v_cache + (sl[j] * KVH + g) * D + d;
+        for (int64_t j = 0; j < n; j++) {
+            const float *vj = v[j] + d;
             const __m256 w = _mm256_set1_ps(e[j]);
-            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(w, kv8(vj + 8 * c), a[c]);
+            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 8 * c), a[c]);
         }
         for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + d + 8 * c, a[c]);
     }
     for (; d + 8 <= D; d += 8) {
         __m256 a = _mm256_loadu_ps(acc + d);
-        for (int64_t j = j0; j < j1; j++)
-            a = _mm256_fmadd_ps(_mm256_set1_ps(e[j]), kv8(v_cache + (sl[j] * KVH + g) * D + d), a);
+        for (int64_t j = 0; j < n; j++) a = _mm256_fmadd_ps(_mm256_set1_ps(e[j]), _mm256_loadu_ps(v[j] + d), a);
         _mm256_storeu_ps(acc + d, a);
     }
     for (; d < D; d++)
-        for (int64_t j = j0; j < j1; j++) acc[d] = fmaf(e[j], kv1(v_cache[(sl[j] * KVH + g) * D + d]), acc[d]);
+        for (int64_t j = 0; j < n; j++) acc[d] = fmaf(e[j], v[j][d], acc[d]);
 }
 
 static void attend256(const float *const *q, const int64_t *L, int64_t Lmax, int nv, const kv_t *k_cache,
                       const kv_t *v_cache, const int64_t *sl, int64_t KVH, int64_t g, float scale, float *scores,
-                      int64_t ss, float *qs, float *acc, float *const *o, int64_t D) {
+                      int64_t ss, float *qs, float *acc, float *buf, float *const *o, int64_t D) {
     float total[MAXR];
+    const float *rows[KB];
     for (int r = 0; r < nv; r++) {
         for (int64_t d = 0; d < D; d++) qs[r * D + d] = q[r][d] * scale;
         for (int64_t d = 0; d < D; d++) acc[r * D + d] = 0.0f;
     }
     for (int64_t j0 = 0; j0 < Lmax; j0 += KB) { /* a block of keys, read from L1 by every vector */
         const int64_t j1 = j0 + KB < Lmax ? j0 + KB : Lmax;
+        block_rows(k_cache, sl, j0, j1, KVH, g, D, buf, rows);
         int64_t j = j0;
-        for (; j + 8 <= j1; j += 8) {
-            const kv_t *k[8];
-            for (int i = 0; i < 8; i++) k[i] = k_cache + (sl[j + i] * KVH + g) * D;
+        for (; j + 8 <= j1; j += 8)
             for (int r = 0; r < nv; r++)
-                if (j < L[r]) score8(qs + r * D, k, D, scores + r * ss + j);
-        }
-        for (; j < j1; j++) {
-            const kv_t *kj = k_cache + (sl[j] * KVH + g) * D;
+                if (j < L[r]) score8(qs + r * D, rows + (j - j0), D, scores + r * ss + j);
+        for (; j < j1; j++)
             for (int r = 0; r < nv; r++)
-                if (j < L[r]) scores[r * ss + j] = score1(qs + r * D, kj, D);
-        }
+                if (j < L[r]) scores[r * ss + j] = score1(qs + r * D, rows[j - j0], D);
     }
     for (int r = 0; r < nv; r++) total[r] = softmax256(scores + r * ss, L[r], Lmax);
     for (int64_t j0 = 0; j0 < Lmax; j0 += KB) {
         const int64_t j1 = j0 + KB < Lmax ? j0 + KB : Lmax;
+        block_rows(v_cache, sl, j0, j1, KVH, g, D, buf, rows);
         for (int r = 0; r < nv; r++) {
             const int64_t e1 = j1 < L[r] ? j1 : L[r];
-            if (e1 > j0) values256(scores + r * ss, j0, e1, v_cache, sl, KVH, g, D, acc + r * D);
+            if (e1 > j0) values256(scores + r * ss + j0, e1 - j0, rows, D, acc + r * D);
         }
     }
     for (int r = 0; r < nv; r++) {
@@ -420,8 +437,8 @@ void PAGED_ATTENTION(const float *q, int64_t q_stride, const kv_t *k_cache, cons
     const int64_t count = attention_items(start, n, KVH, rep, per_item, items), ss = max_len + 16;
     #pragma omp parallel num_threads(count > 1 ? num_threads : 1)
     {
-        float *scores = malloc(sizeof(float) * (MAXR * ss + 2 * MAXR * D));
-        float *acc = scores + MAXR * ss, *qs = acc + MAXR * D;
+        float *scores = malloc(sizeof(float) * (MAXR * ss + 2 * MAXR * D + KB * D));
+        float *acc = scores + MAXR * ss, *qs = acc + MAXR * D, *buf = qs + MAXR * D;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < count; it++) {
             const AttnItem w = items[it];
@@ -447,7 +464,7 @@ void PAGED_ATTENTION(const float *q, int64_t q_stride, const kv_t *k_cache, cons
                 continue;
             }
 #endif
-            attend256(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, qs, acc, op, D);
+            attend256(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, qs, acc, buf, op, D);
         }
         free(scores);
     }
