@@ -10,6 +10,8 @@ over the cache as the block allocator leaves them:
 - ``engine``: the metadata the engine builds (``listed=True``): a chain's rows share
   their request's list of slots, each row seeing one key more than the row before; a
   tree's nodes share one list per root-to-leaf path;
+- ``engine, bfloat16 cache``: the same over a bfloat16 copy of the cache
+  (``--kv-cache-dtype bfloat16``: half the bytes read);
 - ``row by row``: each row given its own copy of the keys it sees, so that the kernel
   reads the request's keys once per row;
 - ``torch``: the reference backend (gathered keys, ``scaled_dot_product_attention``).
@@ -71,11 +73,13 @@ def time_layers(fn) -> float:
 @torch.inference_mode()
 def measure(case, repeats: int) -> list[float]:
     q, k, v, (k_cache, v_cache), specs = problem(*case)
+    bf16 = (k_cache.bfloat16(), v_cache.bfloat16())
     listed = build_attention_metadata(specs, BLOCK, listed=True)
     reference = build_attention_metadata(specs, BLOCK)
     separate = row_by_row(listed)
     ways = {
         "engine": lambda: paged_attention(q, k, v, (k_cache, v_cache), listed),
+        "engine, bfloat16 cache": lambda: paged_attention(q, k, v, bf16, listed),
         "row by row": lambda: paged_attention(q, k, v, (k_cache, v_cache), separate),
         "torch": lambda: paged_attention(q, k, v, (k_cache, v_cache), reference),
     }
@@ -96,15 +100,18 @@ def main() -> None:
     torch.manual_seed(0)
     rows = []
     for case in CASES:
-        chain, separate, reference = measure(case, args.repeats)
+        chain, bf16, separate, reference = measure(case, args.repeats)
         requests, context, new = case
         shape = new if isinstance(new, int) else "tree: 2 chains of 8" if new == TWO_BRANCHES else "tree: binary, 16"
-        rows.append([requests, context, shape, chain, separate, reference, separate / chain])
+        rows.append([requests, context, shape, chain, bf16, bf16 / chain, separate, reference, separate / chain])
         print(rows[-1], flush=True)
     body = markdown_table(["requests", "context", "new tokens each", "as the engine lists them (ms)",
-                           "row by row (ms)", "torch (ms)", "row by row / engine"], rows)
+                           "bfloat16 cache (ms)", "bfloat16 / float32", "row by row (ms)", "torch (ms)",
+                           "row by row / engine"], rows)
     body += (f"\n\nAttention of one pass through the {LAYERS} layers (new keys written, then attended), "
              f"minimum of {args.repeats} interleaved repeats, each after a warm-up run; 9 query heads over 3 KV heads of 64.")
+    body += (" The bfloat16 cache column reads a bfloat16 copy of the same cache (`--kv-cache-dtype bfloat16`), "
+             f"{'AVX-512' if cpu_kernels.compile_flags() != cpu_kernels.FLAGS else 'AVX2'} build.")
     write_report("attention", "Decode attention over the paged KV cache by context and rows per request", body,
                  f"python -m bench.attention --repeats {args.repeats}")
 

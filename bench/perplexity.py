@@ -1,6 +1,7 @@
 """Perplexity of the default model on one 2,000-token text: served from the GGUF file's Q4_1
-blocks (8-bit activations, our kernels), dequantized to float32 (``--quantization none``),
-and by llama.cpp on the same file (llama-cpp-python in ``~/peers/venv-llama``, when there).
+blocks (8-bit activations, our kernels), the same with a bfloat16 KV cache
+(``--kv-cache-dtype bfloat16``), dequantized to float32 (``--quantization none``), and by
+llama.cpp on the same file (llama-cpp-python in ``~/peers/venv-llama``, when there).
 
     .venv/bin/python -m bench.perplexity [--tokens 2000] [--peers-dir ~/peers]
 
@@ -43,11 +44,11 @@ def text_ids(tokenizer, tokens: int) -> list[int]:
     raise ValueError(f"the articles hold only {len(ids)} tokens")
 
 
-def ours(quantization: str, ids: list[int]) -> list[float]:
-    """Log-probabilities of ids[1:] by the default model served with ``quantization``."""
+def ours(quantization: str, ids: list[int], kv_cache_dtype: str = "auto") -> list[float]:
+    """Log-probabilities of ids[1:] by the default model served with ``quantization`` and ``kv_cache_dtype``."""
     from engine import LLM, SamplingParams
 
-    llm = LLM(quantization=quantization, max_model_len=len(ids) + 8)
+    llm = LLM(quantization=quantization, max_model_len=len(ids) + 8, kv_cache_dtype=kv_cache_dtype)
     out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))[0]
     llm.close()
     return [p.logprob for p in out.prompt_logprobs]
@@ -69,13 +70,16 @@ def perplexity(logprobs: list[float]) -> float:
 
 
 def measure(tokens: int, peers: Path) -> dict[str, float]:
-    """Perplexity by model: "Q4_1 (ours)", "float32 (ours)" and, where installed, "Q4_1 (llama.cpp)"."""
+    """Perplexity by model: "Q4_1 (ours)", with a bfloat16 KV cache, "float32 (ours)" and, where installed,
+    "Q4_1 (llama.cpp)"."""
     from engine.loader import load_tokenizer
     from engine.model_store import fetch_default_gguf
 
     gguf = fetch_default_gguf()
     ids = text_ids(load_tokenizer(gguf), tokens)
-    out = {"Q4_1 (ours)": perplexity(ours("auto", ids)), "float32 (ours)": perplexity(ours("none", ids))}
+    out = {"Q4_1 (ours)": perplexity(ours("auto", ids)),
+           "Q4_1, bfloat16 KV cache (ours)": perplexity(ours("auto", ids, "bfloat16")),
+           "float32 (ours)": perplexity(ours("none", ids))}
     theirs = llama_cpp(peers, gguf, ids)
     if theirs is not None:
         out["Q4_1 (llama.cpp)"] = perplexity(theirs)

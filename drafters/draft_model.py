@@ -117,7 +117,7 @@ class ModelDrafter(SamplingDrafter):
     token ids, sampled from as it is; a token id past the draft's rows reaches it as id 0,
     which only changes its guesses, never what is accepted."""
 
-    def __init__(self, model, num_layers: int, num_blocks: int, block_size: int, dtype, device, cost_per_token: float,
+    def __init__(self, model, num_layers: int, num_blocks: int, block_size: int, kv_dtype, device, cost_per_token: float,
                  attention: AttentionBackend = TORCH, target_vocab: int | None = None):
         super().__init__(device)
         self.model, self.num_layers = model, num_layers
@@ -125,7 +125,7 @@ class ModelDrafter(SamplingDrafter):
         self.block_size = block_size
         self.build_metadata = attention.build_metadata  # the target's backend (``cpu``: one C call a layer)
         cfg = model.config
-        spec = KVSpec(num_layers, cfg.num_key_value_heads, head_dim_of(cfg), block_size, dtype)
+        spec = KVSpec(num_layers, cfg.num_key_value_heads, head_dim_of(cfg), block_size, kv_dtype)
         self.kv = KVCacheManager(num_blocks, block_size)
         self.paged = PagedKV(spec, num_blocks, device)
         self.cost_per_token = cost_per_token
@@ -263,7 +263,7 @@ class ModelDrafter(SamplingDrafter):
         self.kv.free(request_id)
 
 
-def build(spec, *, target, tokenizer, num_blocks, block_size, dtype, device, attention=TORCH,
+def build(spec, *, target, tokenizer, num_blocks, block_size, dtype, device, attention=TORCH, kv_dtype=None,
           target_path: str = "the target", **_) -> ModelDrafter:
     """A separate, smaller model that shares the target's tokenizer (of any family)."""
     from engine.loader import load_model, load_tokenizer
@@ -275,17 +275,18 @@ def build(spec, *, target, tokenizer, num_blocks, block_size, dtype, device, att
     draft = load_model(path, dtype, device, max_positions=target.rotary.cos.shape[0], quantization=spec.quantization)
     check_same_tokenizer(tokenizer, load_tokenizer(path), target_path, str(path))
     ratio = _param_count(draft) / _param_count(target)
-    return ModelDrafter(draft, draft.config.num_hidden_layers, num_blocks, block_size, dtype, device, ratio, attention,
+    return ModelDrafter(draft, draft.config.num_hidden_layers, num_blocks, block_size, kv_dtype or dtype, device, ratio,
+                        attention,
                         target.config.vocab_size)
 
 
-def memory_needs(spec, *, dtype, block_size, **_) -> DrafterMemory:
+def memory_needs(spec, *, dtype, block_size, kv_dtype=None, **_) -> DrafterMemory:
     """The draft model's weights and KV bytes per block, for the GPU memory budget."""
     from engine.loader import load_config, weight_bytes
     from engine.model_store import resolve_model
 
     cfg = load_config(resolve_model(spec.model))
-    kv = KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), block_size, dtype)
+    kv = KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), block_size, kv_dtype or dtype)
     return DrafterMemory(weight_bytes(cfg, dtype), kv.bytes_per_block())
 
 

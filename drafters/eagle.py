@@ -61,7 +61,7 @@ class _HeadState:
 
 
 class EagleDrafter(SamplingDrafter):
-    def __init__(self, head: EagleHead, num_blocks: int, block_size: int, dtype, device, cost_per_token: float,
+    def __init__(self, head: EagleHead, num_blocks: int, block_size: int, kv_dtype, device, cost_per_token: float,
                  attention: AttentionBackend = TORCH):
         super().__init__(device)
         self.head, self.block_size = head, block_size
@@ -69,7 +69,8 @@ class EagleDrafter(SamplingDrafter):
         self.feature_layers = head.feature_layers
         cfg = head.config
         self.kv = KVCacheManager(num_blocks, block_size)
-        self.paged = PagedKV(KVSpec(1, cfg.num_key_value_heads, head.head_dim, block_size, dtype), num_blocks, device)
+        self.paged = PagedKV(KVSpec(1, cfg.num_key_value_heads, head.head_dim, block_size, kv_dtype), num_blocks,
+                             device)
         self.cost_per_token = cost_per_token
         self.states: dict[str, _HeadState] = {}
         self.outputs: dict[str, list[torch.Tensor]] = {}  # a growing tree's head outputs [H]: the root's, then per node
@@ -219,16 +220,17 @@ class EagleDrafter(SamplingDrafter):
         self.kv.free(request_id)
 
 
-def memory_needs(spec, *, dtype, block_size, **_) -> DrafterMemory:
+def memory_needs(spec, *, dtype, block_size, kv_dtype=None, **_) -> DrafterMemory:
     """The head's weights and KV bytes per block, for the GPU memory budget."""
     from drafters.eagle_head import head_memory
     from engine.model_store import resolve_model
 
-    return DrafterMemory(*head_memory(resolve_model(spec.model), dtype, block_size))
+    return DrafterMemory(*head_memory(resolve_model(spec.model), dtype, block_size, kv_dtype))
 
 
 def eagle_factory(kind: str):
-    def factory(spec, *, target, num_blocks, block_size, dtype, device, attention=TORCH, **_) -> EagleDrafter:
+    def factory(spec, *, target, num_blocks, block_size, dtype, device, attention=TORCH, kv_dtype=None,
+                **_) -> EagleDrafter:
         from engine.model_store import resolve_model
 
         if not spec.model:
@@ -236,7 +238,7 @@ def eagle_factory(kind: str):
         path = resolve_model(spec.model)
         head = load_eagle_head(path, kind, target, dtype, device, target.rotary.cos.shape[0])
         cost = head.num_parameters() / sum(p.numel() for p in target.parameters())
-        return EagleDrafter(head, num_blocks, block_size, dtype, device, cost, attention)
+        return EagleDrafter(head, num_blocks, block_size, kv_dtype or dtype, device, cost, attention)
 
     factory.__doc__ = f"An {kind} head reading the target's features (drafters.eagle_head)."
     return factory

@@ -233,9 +233,10 @@ def _check_fits(config, kind: str, target_config, layers: tuple[int, ...]) -> No
         )
 
 
-def head_memory(path: Path, dtype: torch.dtype, block_size: int) -> tuple[int, int]:
-    """(bytes of the head's own weights in ``dtype``, bytes of its one-layer KV cache per
-    block), read from its config and safetensors headers without loading a tensor."""
+def head_memory(path: Path, dtype: torch.dtype, block_size: int, kv_dtype: torch.dtype | None = None) -> tuple[int, int]:
+    """(bytes of the head's own weights in ``dtype``, bytes of its one-layer KV cache of
+    ``kv_dtype`` (default ``dtype``) per block), read from its config and safetensors headers
+    without loading a tensor."""
     from safetensors import safe_open
 
     config = _read_config(path)
@@ -243,7 +244,7 @@ def head_memory(path: Path, dtype: torch.dtype, block_size: int) -> tuple[int, i
     for f in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             count += sum(math.prod(st.get_slice(n).get_shape()) for n in st.keys() if not n.endswith("embed_tokens.weight"))
-    kv = 2 * block_size * config.num_key_value_heads * head_dim_of(config) * dtype.itemsize
+    kv = 2 * block_size * config.num_key_value_heads * head_dim_of(config) * (kv_dtype or dtype).itemsize
     return count * dtype.itemsize, kv
 
 

@@ -62,6 +62,7 @@ class ModelConfig:
 
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "bfloat16")  # --kv-cache-dtype: auto = the model's dtype
 
 
 def check_quantization(value: str) -> None:
@@ -78,12 +79,23 @@ class CacheConfig:
     # CUDA: the fraction of the GPU's memory this engine may use; the KV cache gets what the
     # weights and a profiled largest step leave of it (engine.gpu_memory). Replaces memory_bytes.
     gpu_memory_utilization: float = 0.9
+    # The KV cache's element type: auto (the model's dtype), or bfloat16 (keys and values rounded to
+    # nearest even at the write, read back as the model's dtype: half the bytes per block).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or (self.num_blocks is not None and self.num_blocks < 1):
             raise ValueError("block_size and num_blocks must be positive")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+    def torch_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's torch dtype for a model computing in ``model_dtype``."""
+        import torch
+
+        return model_dtype if self.kv_cache_dtype == "auto" else getattr(torch, self.kv_cache_dtype)
 
 
 @dataclass(frozen=True)

@@ -74,14 +74,16 @@ class LLMEngine:
         self.tp_workers = model.workers if isinstance(model, TensorParallelModel) else None
         hf_config = model.config
         self.max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
-        attention = select_backend(config.model.attention_backend, device, dtype, head_dim_of(hf_config))
+        kv_dtype = config.cache.torch_kv_dtype(dtype)
+        attention = select_backend(config.model.attention_backend, device, dtype, head_dim_of(hf_config), kv_dtype)
         if device.type == "cuda" and attention.name != "flash_attn":
             log.info("attention %s: flash-attn not used (%s)", attention.name, flash_attn_status() or "not chosen")
         block_size = attention.block_size(config.cache.block_size)
         # This rank's KV heads (all of them at tensor_parallel_size 1; test models may have no layers).
         kv_heads = model.layers[0].self_attn.num_kv_heads if hasattr(model, "layers") else hf_config.num_key_value_heads
-        spec = KVSpec(hf_config.num_hidden_layers, kv_heads, head_dim_of(hf_config), block_size, dtype)
-        needs = drafter_memory(config.speculative, dtype=dtype, block_size=block_size) if drafter is None else None
+        spec = KVSpec(hf_config.num_hidden_layers, kv_heads, head_dim_of(hf_config), block_size, kv_dtype)
+        needs = (drafter_memory(config.speculative, dtype=dtype, kv_dtype=kv_dtype, block_size=block_size)
+                 if drafter is None else None)
         num_blocks = num_kv_blocks(config, spec, model, attention, device, self.max_model_len,  # GPU: engine.gpu_memory
                                    needs or DrafterMemory())
         if num_blocks < blocks_needed(self.max_model_len, spec.block_size):
@@ -102,8 +104,8 @@ class LLMEngine:
         self.step_fallbacks = 0  # 1 when the drafter failed in the current step
         self._grammars = None  # engine.grammar.Grammars, built at the first structured request
         c_matmul = getattr(getattr(model, "lm_head", None), "kernel", None) is not None  # laid out by prepack
-        log.info("engine ready: %d KV blocks of %d tokens on %s (%s, attention %s); matmul %s%s", num_blocks,
-                 spec.block_size, device, dtype, attention.name, "by the C kernel (batch invariant)" if c_matmul
+        log.info("engine ready: %d KV blocks of %d tokens on %s (%s, KV cache %s, attention %s); matmul %s%s",
+                 num_blocks, spec.block_size, device, dtype, kv_dtype, attention.name, "by the C kernel (batch invariant)" if c_matmul
                  else f"by torch, inputs padded to {getattr(model, 'min_rows', 1)} rows",
                  ", each decoder layer in one C call" if getattr(model, "fused", None) else "")
 
@@ -218,7 +220,7 @@ class LLMEngine:
             return None, None
         drafter = drafter or build_drafter(
             sc, target=self.model, tokenizer=self.tokenizer, num_blocks=num_blocks,
-            block_size=spec.block_size, dtype=dtype, device=device, target_kv=self.paged_kv,
+            block_size=spec.block_size, dtype=dtype, kv_dtype=spec.dtype, device=device, target_kv=self.paged_kv,
             attention=self.runner.attention, target_path=self.model_path,
         )
         if not sc.adaptive:  # the same round every step: nothing to price, nothing to measure

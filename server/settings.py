@@ -65,6 +65,11 @@ class ServerSettings(BaseSettings):
     # -- KV cache and scheduler (engine) --
     block_size: int = Field(16, gt=0, description="tokens per KV-cache block")
     kv_cache_memory_bytes: int = Field(1 << 30, gt=0, description="KV-cache budget in bytes on the CPU")
+    kv_cache_dtype: Literal["auto", "bfloat16"] = Field(
+        "auto", description="KV-cache element type: auto (the model's dtype) or bfloat16 (half the bytes of a "
+        "float32 cache, so twice the blocks for the same budget; keys and values rounded to bfloat16, attention "
+        "still in float32; see docs/cpu.md)"
+    )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="CUDA: fraction of the GPU's memory for weights, activations and the KV cache; "
         "the KV cache gets what a profiled largest step leaves"
@@ -168,6 +173,7 @@ class ServerSettings(BaseSettings):
                 num_blocks=self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching,
                 gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_dtype=self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

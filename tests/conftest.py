@@ -55,11 +55,13 @@ def engine_config(
     seed: int = 0,
     enable_prefix_caching: bool = True,
     speculative: SpeculativeConfig | None = None,
+    kv_cache_dtype: str = "auto",
     **scheduler_kw,
 ) -> EngineConfig:
     return EngineConfig(
         ModelConfig(max_model_len=max_model_len, dtype="float32", device="cpu", seed=seed),
-        CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching),
+        CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
+                    kv_cache_dtype=kv_cache_dtype),
         SchedulerConfig(**scheduler_kw),
         speculative or SpeculativeConfig(),
     )

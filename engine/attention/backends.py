@@ -90,13 +90,17 @@ def flash_head_dim_ok(head_dim: int | None) -> bool:
     return head_dim is None or (head_dim % 8 == 0 and head_dim <= 256)
 
 
-def select_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> AttentionBackend:
-    """The backend for ``--attention-backend name``; ValueError when it cannot run here."""
+def select_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int | None = None,
+                   kv_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """The backend for ``--attention-backend name`` over a KV cache of ``kv_dtype`` (default
+    ``dtype``); ValueError when it cannot run here. torch and torch_varlen read any cache dtype
+    (cast as they gather), cpu a float32 or bfloat16 one, flash_attn only the model's dtype."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention backend must be one of {', '.join(BACKEND_NAMES)}; got {name!r}")
+    kv_dtype = kv_dtype or dtype
     cuda, half = device.type == "cuda", dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
-        if cuda and half and flash_head_dim_ok(head_dim) and flash_attn_installed():
+        if cuda and half and kv_dtype == dtype and flash_head_dim_ok(head_dim) and flash_attn_installed():
             return FLASH_ATTN
         if cuda:
             return TORCH_VARLEN
@@ -104,6 +108,11 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim
     if name == "cpu" and (cuda or dtype != torch.float32 or cpu_kernels.load() is None):
         raise ValueError(f"attention backend cpu needs float32 on the CPU and the AVX2 kernels (device {device}, "
                          f"dtype {dtype}, kernels built: {cpu_kernels.load() is not None})")
+    if name == "cpu" and kv_dtype not in cpu_kernels.KV_TYPES:
+        raise ValueError(f"attention backend cpu reads a float32 or bfloat16 KV cache, not {kv_dtype}")
+    if name == "flash_attn" and kv_dtype != dtype:
+        raise ValueError(f"attention backend flash_attn reads a KV cache of the model's dtype ({dtype}), not "
+                         f"{kv_dtype}: use --kv-cache-dtype auto, or --attention-backend torch_varlen")
     if name == "flash_attn" and not (cuda and half and flash_head_dim_ok(head_dim) and flash_attn_installed()):
         raise ValueError(
             "attention backend flash_attn needs a CUDA device, dtype float16 or bfloat16, a head dim that is a "

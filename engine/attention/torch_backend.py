@@ -21,13 +21,16 @@ def paged_attention(q, k, v, kv_layer, meta: AttentionMetadata, scale: float | N
                     softcap: float | None = None) -> torch.Tensor:
     """q [T, H, D], k and v [T, KVH, D] (new tokens) -> [T, H, D].
 
-    ``kv_layer`` is ``(k_cache, v_cache)``, each [num_blocks, block_size, KVH, D]. ``scale``:
+    ``kv_layer`` is ``(k_cache, v_cache)``, each [num_blocks, block_size, KVH, D], of q's dtype or
+    lower (``--kv-cache-dtype``): the new keys and values are rounded to it at the write, and
+    every key and value is read back as q's dtype, the new ones too, as if read from the cache. ``scale``:
     the softmax scale (default 1/sqrt(D)); ``softcap``: scores become ``softcap * tanh(s / softcap)``
     (Gemma 2), which neither SDPA nor the C kernels do: then every query goes through ``eager``.
     """
     k_cache, v_cache = kv_layer
     k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [num_slots, KVH, D]
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # as the cache holds them
     k_flat.index_copy_(0, meta.slot_mapping, k)
     v_flat.index_copy_(0, meta.slot_mapping, v)
     scale = scale or q.shape[-1] ** -0.5
@@ -45,6 +48,7 @@ def paged_attention(q, k, v, kv_layer, meta: AttentionMetadata, scale: float | N
             ks, vs = k_flat.index_select(0, s.kv_slots), v_flat.index_select(0, s.kv_slots)
         else:
             ks, vs = k[s.start : s.end], v[s.start : s.end]
+        ks, vs = ks.to(q.dtype), vs.to(q.dtype)
         if softcap is not None:
             mask = s.mask if s.mask is not None else _full_mask(s.end - s.start, ks.shape[0], s.causal, q.device)
             out[s.start : s.end] = eager(q[s.start : s.end][None], ks[None], vs[None], mask[None], scale, softcap)[0]
@@ -58,8 +62,8 @@ def paged_attention(q, k, v, kv_layer, meta: AttentionMetadata, scale: float | N
         n, max_q = b.token_index.shape
         max_kv = b.kv_slots.shape[1]
         qb = q.index_select(0, b.token_index.view(-1)).view(n, max_q, *q.shape[1:])  # [n, max_q, H, D]
-        kb = k_flat.index_select(0, b.kv_slots.view(-1)).view(n, max_kv, *k.shape[1:])  # [n, max_kv, KVH, D]
-        vb = v_flat.index_select(0, b.kv_slots.view(-1)).view(n, max_kv, *v.shape[1:])
+        kb = k_flat.index_select(0, b.kv_slots.view(-1)).view(n, max_kv, *k.shape[1:]).to(q.dtype)  # [n, max_kv, KVH, D]
+        vb = v_flat.index_select(0, b.kv_slots.view(-1)).view(n, max_kv, *v.shape[1:]).to(q.dtype)
         if softcap is None:
             o = F.scaled_dot_product_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
                                                attn_mask=b.mask, enable_gqa=True, scale=scale).transpose(1, 2)
@@ -93,5 +97,5 @@ def _listed_eager(q, k_flat, v_flat, ls: ListedQueries, scale: float, softcap: f
         j = torch.arange(int(length.max()), device=q.device)  # [L]
         visible = j[None, :] < length[:, None]  # [n, L]
         idx = ls.slots[(start[:, None] + j[None, :]).clamp(max=ls.slots.shape[0] - 1)]  # [n, L] slots
-        kl, vl = k_flat[idx], v_flat[idx]  # [n, L, KVH, D]
+        kl, vl = k_flat[idx].to(q.dtype), v_flat[idx].to(q.dtype)  # [n, L, KVH, D]
         out[rows] = eager(q[rows][:, None], kl, vl, visible[:, None, :], scale, softcap)[:, 0]

@@ -29,10 +29,12 @@ def paged_attention(q, k, v, kv_layer, meta: VarlenMetadata, scale: float | None
     """q [T, H, D], k and v [T, KVH, D] (new tokens) -> [T, H, D].
 
     ``kv_layer`` is ``(k_cache, v_cache)``, each [num_blocks, block_size, KVH, D];
-    the new K/V are written to their slots first, then read back through the cache.
+    the new K/V are written to their slots first (rounded to the cache's dtype), then read
+    back through the cache (``torch_kernel`` and the tree's own nodes: as q's dtype).
     ``scale``: the softmax scale (default 1/sqrt(D)); ``softcap``: Gemma 2's score cap.
     """
     k_cache, v_cache = kv_layer
+    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # as the cache holds them
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
     scale = scale or q.shape[-1] ** -0.5

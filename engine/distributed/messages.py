@@ -43,10 +43,11 @@ class WorkerInit:
 @dataclass(frozen=True)
 class AllocateKV:
     """Allocate this rank's KV-cache shard: ``num_blocks`` blocks of ``block_size`` tokens
-    over its own KV heads (sent once, before the first step)."""
+    over its own KV heads, elements of ``dtype`` (sent once, before the first step)."""
 
     num_blocks: int
     block_size: int
+    dtype: str  # torch dtype name, e.g. "bfloat16" (rank 0's cache's: --kv-cache-dtype)
 
 
 @dataclass(frozen=True)

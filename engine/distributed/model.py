@@ -69,7 +69,7 @@ class TensorParallelModel:
 
     def _bind(self, kv) -> None:
         if self._kv is None:
-            self.workers.send(AllocateKV(kv.num_blocks, kv.spec.block_size))
+            self.workers.send(AllocateKV(kv.num_blocks, kv.spec.block_size, str(kv.spec.dtype).removeprefix("torch.")))
             self._kv = kv
         elif kv is not self._kv:
             raise ValueError("tensor-parallel ranks hold one KV cache (the engine's); a drafter needs its own model")

@@ -107,7 +107,8 @@ def _serve(channel: Channel, model, device: torch.device, build_metadata) -> boo
                 model.compute_logits(t(msg.hidden).to(dtype))  # rank 0 keeps the gathered logits
             case AllocateKV():
                 kv = None  # the old shard's memory goes before the new one's is taken
-                kv, block_size = PagedKV(kv_spec(model, msg.block_size), msg.num_blocks, device), msg.block_size
+                spec = kv_spec(model, msg.block_size, getattr(torch, msg.dtype))
+                kv, block_size = PagedKV(spec, msg.num_blocks, device), msg.block_size
             case ReleaseKV():
                 kv = None
                 if device.type == "cuda":
@@ -118,8 +119,7 @@ def _serve(channel: Channel, model, device: torch.device, build_metadata) -> boo
                 raise TypeError(f"unexpected message {type(msg).__name__}")
 
 
-def kv_spec(model, block_size: int) -> KVSpec:
-    """The KV-cache layout of this rank's shard of ``model`` (its own KV heads)."""
+def kv_spec(model, block_size: int, dtype: torch.dtype) -> KVSpec:
+    """The KV-cache layout of this rank's shard of ``model`` (its own KV heads), elements of ``dtype``."""
     attn = model.layers[0].self_attn
-    dtype = next(model.parameters()).dtype
     return KVSpec(len(model.layers), attn.num_kv_heads, attn.head_dim, block_size, dtype)

@@ -36,7 +36,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("cpu_kernels.c", "matmul.c", "attention.c", "moe.c")  # in CSRC, with its headers
+SOURCES = ("cpu_kernels.c", "matmul.c", "attention.c", "attention_bf16.c", "moe.c")  # in CSRC, with its headers
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 AVX512 = ("-mavx512f",)  # added where the CPU has it, unless SPECSERVE_CPU_AVX512=0
 
@@ -115,19 +115,32 @@ def build(compiler: str, flags: tuple[str, ...]):
     lib.weight_panel.argtypes = ()
     lib.weight_panel.restype = ctypes.c_int
     lib.rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
-    lib.paged_attention_f32.argtypes = (
-        [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
-    )
+    for f in (lib.paged_attention_f32, lib.paged_attention_kv_bf16):
+        f.argtypes = (
+            [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
+        )
     lib.silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.rope_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.decoder_layer_f32.argtypes = (
-        [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 21 + [ctypes.c_int]
+        [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 13 + [ctypes.c_int]
+        + [ctypes.c_void_p] * 8 + [ctypes.c_int]
     )
     lib.moe_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-    for f in (lib.matmul_f32, lib.rms_norm_f32, lib.paged_attention_f32, lib.silu_mul_f32, lib.rope_f32,
-              lib.decoder_layer_f32, lib.moe_f32):
+    for f in (lib.matmul_f32, lib.rms_norm_f32, lib.paged_attention_f32, lib.paged_attention_kv_bf16, lib.silu_mul_f32,
+              lib.rope_f32, lib.decoder_layer_f32, lib.moe_f32):
         f.restype = None
     return lib
+
+
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # the cache element types of the kernels (csrc/common.h KV_F32, KV_BF16)
+
+
+def kv_type(cache: torch.Tensor) -> int:
+    """The kernels' code of a KV cache's dtype: float32, or bfloat16 (rounded to nearest even at
+    the write, widened exactly to float32 at the read); ValueError for any other."""
+    if cache.dtype not in KV_TYPES:
+        raise ValueError(f"the CPU kernels read a float32 or bfloat16 KV cache, not {cache.dtype}")
+    return KV_TYPES[cache.dtype]
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -186,11 +199,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``slots[start[i] : start[i] + length[i]]`` of ``k_cache``/``v_cache`` [num_slots, KVH, D].
 
     q [T, H, D] with unit strides within a row (a view into the fused qkv is fine); out [T, H, D]
-    contiguous; rows, start, length [n] and slots int64. Softmax scale ``scale``, default 1/sqrt(D)."""
+    contiguous; rows, start, length [n] and slots int64. Softmax scale ``scale``, default 1/sqrt(D).
+    The caches are float32 or bfloat16 (``kv_type``): the same arithmetic on the keys read as float32."""
     _, h, d = q.shape
     kvh = k_cache.shape[1]
     assert q.stride(2) == 1 and q.stride(1) == d and out.is_contiguous() and h % kvh == 0
-    load().paged_attention_f32(
+    assert v_cache.dtype == k_cache.dtype
+    lib = load()
+    kernel = lib.paged_attention_kv_bf16 if kv_type(k_cache) else lib.paged_attention_f32
+    kernel(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(), start.data_ptr(),
         length.data_ptr(), slots.data_ptr(), out.data_ptr(), rows.shape[0], h, kvh, d, scale or d**-0.5,
         torch.get_num_threads(),
@@ -290,7 +307,9 @@ def decoder_layer(x: torch.Tensor, layer: tuple, k_cache: torch.Tensor, v_cache:
     own forward, in one call (csrc/cpu_kernels.c, ``decoder_layer_f32``). ``layer`` from
     ``layer_args``, ``step`` from ``step_args``; k_cache, v_cache [blocks, block_size, KVH, D].
     ``attn_in`` [T, In] (contiguous): the attention's whole input in place of the input
-    norm of x (an EAGLE head's layer; ``layer``'s qkv weight is then [.., In])."""
+    norm of x (an EAGLE head's layer; ``layer``'s qkv weight is then [.., In]). The caches are
+    float32 or bfloat16 (``kv_type``: the new keys and values rounded to nearest even)."""
     ptr, width = (None, 0) if attn_in is None else (attn_in.data_ptr(), attn_in.shape[1])
+    assert v_cache.dtype == k_cache.dtype
     load().decoder_layer_f32(x.data_ptr(), ptr, width, x.shape[0], *layer, k_cache.data_ptr(), v_cache.data_ptr(),
-                             *step, torch.get_num_threads())
+                             kv_type(k_cache), *step, torch.get_num_threads())

@@ -27,7 +27,7 @@ DRAFTERS: dict[str, str] = {
 def drafter_memory(spec_config, **context) -> DrafterMemory:
     """What the drafter of ``spec_config.method`` will hold on the GPU (its factory module's
     ``memory_needs``; nothing for drafters without weights or a cache of their own), asked
-    before the KV cache is sized. ``context``: dtype, block_size."""
+    before the KV cache is sized. ``context``: dtype, kv_dtype (the KV cache's), block_size."""
     target = DRAFTERS.get(spec_config.method)
     if target is None:
         return DrafterMemory()

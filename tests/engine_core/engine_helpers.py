@@ -65,11 +65,11 @@ def run(engine, prompts, params, prefix: str = "req") -> list[Finished]:
     return [Finished(r, deltas[r.request_id]) for r in reqs]
 
 
-def scratch_cache(model, num_blocks: int, block_size: int = 16) -> PagedKV:
-    """A private paged KV cache for running ``model`` outside an engine."""
+def scratch_cache(model, num_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None) -> PagedKV:
+    """A private paged KV cache for running ``model`` outside an engine (``dtype``: default the model's)."""
     cfg = model.config
     weight = model.norm.weight  # (a quantized model's matrices are on meta: their blocks live elsewhere)
-    spec = KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), block_size, weight.dtype)
+    spec = KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), block_size, dtype or weight.dtype)
     return PagedKV(spec, num_blocks, weight.device)
 
 

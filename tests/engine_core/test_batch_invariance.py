@@ -1,6 +1,7 @@
 """Batch invariance, on each CPU kernel path (docs/cpu.md): a request's prompt log-probabilities,
 tokens and output log-probabilities do not depend on what else is in its steps: prefill
-chunks cut at other places, decodes of other requests, the same context in a neighbour.
+chunks cut at other places, decodes of other requests, the same context in a neighbour;
+with a float32 and with a bfloat16 KV cache (``--kv-cache-dtype``).
 
 - C kernels (this CPU's build, and the AVX2 build where this CPU has AVX-512): bitwise.
 - No kernels (``SPECSERVE_CPU_KERNELS=0``: oneDNN and SDPA): within ``TORCH_TOLERANCE``.
@@ -64,11 +65,13 @@ def results(finished) -> list[tuple]:
     return [(flat(f.request.prompt_logprobs), f.token_ids, flat(f.request.logprobs)) for f in finished]
 
 
-def test_a_request_gets_the_same_numbers_whatever_shares_its_steps(make_engine, model, kernel_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+def test_a_request_gets_the_same_numbers_whatever_shares_its_steps(make_engine, model, kernel_path, kv_cache_dtype):
     prompts, params = requests()
-    alone = [results(run(make_engine(model, max_num_batched_tokens=512), [p], sp, prefix=f"a{i}"))[0]
-             for i, (p, sp) in enumerate(zip(prompts, params))]
-    engine = make_engine(model, max_num_batched_tokens=37)  # chunks cut anywhere, beside other decodes
+    alone = [results(run(make_engine(model, max_num_batched_tokens=512, kv_cache_dtype=kv_cache_dtype), [p], sp,
+                         prefix=f"a{i}"))[0] for i, (p, sp) in enumerate(zip(prompts, params))]
+    # chunks cut anywhere, beside other decodes
+    engine = make_engine(model, max_num_batched_tokens=37, kv_cache_dtype=kv_cache_dtype)
     together = results(run(engine, prompts, params))
     same_context = [e[1] for e in together[-1][0]], [e[1] for e in together[1][0][:29]]
     for got, want in zip(together, alone, strict=True):

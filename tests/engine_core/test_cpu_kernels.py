@@ -212,10 +212,12 @@ FUSED_FAMILIES = {  # the families whose layers run as one C call, as the shared
 @needs_kernel
 @pytest.mark.parametrize("family", list(FUSED_FAMILIES))
 @pytest.mark.parametrize("heads, head_dim", [((4, 2), 64), ((3, 3), 48)], ids=["d64-gqa2", "d48-mha"])
-def test_fused_layers_give_the_bits_of_the_layer_modules(tiny_model, kernel_build, heads, head_dim, family):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["kv-f32", "kv-bf16"])
+def test_fused_layers_give_the_bits_of_the_layer_modules(tiny_model, kernel_build, heads, head_dim, family, kv_dtype):
     """A decode and verification step (decodes, a chain, a tree) through one C call per
     layer gives the same logits and KV cache bits as the layer modules' kernel calls, for
-    Llama and the families close to it (biases, q/k norms, sliding windows, experts)."""
+    Llama and the families close to it (biases, q/k norms, sliding windows, experts); with a
+    bfloat16 cache, the C write rounds every key and value as torch's conversion does."""
     from engine.attention import SeqSpec, build_attention_metadata
     from tests.engine_core.engine_helpers import scratch_cache
 
@@ -224,7 +226,7 @@ def test_fused_layers_give_the_bits_of_the_layer_modules(tiny_model, kernel_buil
     model.prepack()
     fused = [layer.fused_args() for layer in model.layers]
     assert all(fused)
-    kv = scratch_cache(model, 16, 4)
+    kv = scratch_cache(model, 16, 4, kv_dtype)
     g = torch.Generator().manual_seed(3)
     contexts = [9, 14, 5]
     with torch.inference_mode():
@@ -238,7 +240,7 @@ def test_fused_layers_give_the_bits_of_the_layer_modules(tiny_model, kernel_buil
         out = {}
         for name, layers in (("modules", None), ("fused", fused)):
             model.fused = layers
-            cache = scratch_cache(model, 16, 4)
+            cache = scratch_cache(model, 16, 4, kv_dtype)
             for i in range(len(model.layers)):
                 for dst, src in zip(cache.layer(i), kv.layer(i)):
                     dst.copy_(src)

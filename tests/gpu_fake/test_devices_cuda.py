@@ -123,7 +123,7 @@ def test_workers_attend_with_rank_0s_backend():
         def recv(self):
             return self.msgs.pop(0)
 
-    channel = Messages(AllocateKV(4, 16), ForwardStep(np.array([1, 2]), np.array([0, 1]), [SeqSpec(0, 2, [0])], None),
+    channel = Messages(AllocateKV(4, 16, "float32"), ForwardStep(np.array([1, 2]), np.array([0, 1]), [SeqSpec(0, 2, [0])], None),
                        Shutdown())
     assert _serve(channel, Shard(), torch.device("cpu"), TORCH_VARLEN.build_metadata)
     assert seen == [VarlenMetadata]

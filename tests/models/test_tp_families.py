@@ -25,7 +25,7 @@ NEW_TOKENS = 12
 def greedy_with_logits(model) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Each prompt prefilled in two chunks (a decode step reads the first chunk's KV back from
     this rank's shard), then NEW_TOKENS greedy decode steps: (tokens, prompt logits)."""
-    kv = PagedKV(kv_spec(model, 16), 8, CPU)
+    kv = PagedKV(kv_spec(model, 16, torch.float32), 8, CPU)
     tokens, logits = [], []
     for ids in PROMPTS:
         half = len(ids) // 2

@@ -31,7 +31,7 @@ def checkpoint(tmp_path_factory):
 def prefill_then_decode(model, prompt: list[int]) -> torch.Tensor:
     """Logits [len(prompt) + 1, vocab]: a prefill of ``prompt`` then one decode of token 7,
     which reads the prompt's keys and values back from this rank's KV-cache shard."""
-    kv = PagedKV(kv_spec(model, 16), 4, CPU)
+    kv = PagedKV(kv_spec(model, 16, torch.float32), 4, CPU)
     n = len(prompt)
     meta = build_attention_metadata([SeqSpec(0, n, [2, 0])], 16)
     first = model.compute_logits(model(torch.tensor(prompt), torch.arange(n), meta, kv))

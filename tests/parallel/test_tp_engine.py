@@ -1,7 +1,7 @@
 """The engine at ``tensor_parallel_size`` 2 (a second process, gloo): the same logits
 (within 1e-4) and the same greedy text as at size 1, with plain decoding and with
-every drafter, on a tiny random model and on the default model. Slow: each engine
-starts a worker process."""
+every drafter, on a tiny random model and on the default model, and with a bfloat16 KV
+cache. Slow: each engine starts a worker process."""
 
 import multiprocessing
 
@@ -92,6 +92,23 @@ def test_logits_and_plain_greedy_match_size_one(which, request, tokenizer):
         assert diff.mean().item() < 2e-5
         assert greedy_ids(split, prompts) == greedy_ids(whole, prompts)
         assert split.paged_kv.spec.num_kv_heads == 2  # rank 0's shard: 2 of the 3 KV heads
+    finally:
+        check_no_lost_blocks(whole)
+        closed(split)
+
+
+def test_a_bf16_kv_cache_splits_like_size_one(tiny, tokenizer):
+    """``--kv-cache-dtype bfloat16`` reaches the worker's shard: rounded like rank 0's, the split's
+    logits stay within float32 rounding of size 1's (a float32 worker shard would move them ~1e-3)."""
+    path, _ = tiny
+    whole = tp_engine(path, 1, tokenizer, num_threads=1, enable_prefix_caching=False, kv_cache_dtype="bfloat16")
+    split = tp_engine(path, 2, tokenizer, num_threads=1, enable_prefix_caching=False, kv_cache_dtype="bfloat16")
+    try:
+        assert split.paged_kv.k[0].dtype == torch.bfloat16
+        ref = prompt_logits(whole.model, whole.paged_kv, TINY_PROMPTS[2])
+        got = prompt_logits(split.model, split.paged_kv, TINY_PROMPTS[2])
+        assert (got - ref).abs().max().item() < 1e-4
+        assert greedy_ids(split, TINY_PROMPTS) == greedy_ids(whole, TINY_PROMPTS)
     finally:
         check_no_lost_blocks(whole)
         closed(split)

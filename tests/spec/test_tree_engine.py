@@ -1,6 +1,7 @@
 """Token trees through the whole engine: greedy output identical to plain
 decoding for every drafter (tiny random model: the tree mask, depth positions
-and the accepted path's KV moves all matter), every block back; and sampling
+and the accepted path's KV moves all matter), with a float32 and a bfloat16 KV
+cache, every block back; and sampling
 with trees emits exactly the target's joint distribution (chi-square over
 20,000 requests), with a power check."""
 
@@ -62,13 +63,15 @@ def greedy_run(llm: LLMEngine, max_tokens: int = 24) -> list[list[int]]:
     return [r.output_token_ids for r in reqs]
 
 
-def tiny_engine(model, spec: SpeculativeConfig | None = None, drafter=None) -> LLMEngine:
-    config = engine_config(max_model_len=256, num_blocks=128, block_size=4, speculative=spec)
+def tiny_engine(model, spec: SpeculativeConfig | None = None, drafter=None, kv_cache_dtype: str = "auto") -> LLMEngine:
+    config = engine_config(max_model_len=256, num_blocks=128, block_size=4, speculative=spec,
+                           kv_cache_dtype=kv_cache_dtype)
     return LLMEngine(config, model=model, tokenizer=None, drafter=drafter)
 
 
-def drafters(model, draft_model):
-    """name -> (SpeculativeConfig, drafter or None to build it from the config)."""
+def drafters(model, draft_model, kv_dtype=torch.float32):
+    """name -> (SpeculativeConfig, drafter or None to build it from the config); a draft model's
+    own KV cache in ``kv_dtype``."""
     cpu = torch.device("cpu")
     return {
         "ngram": (SpeculativeConfig(method="ngram", **TREE), None),
@@ -80,18 +83,21 @@ def drafters(model, draft_model):
         ),
         "draft_model": (
             SpeculativeConfig(method="test", **TREE),
-            ModelDrafter(draft_model, 2, 128, 4, torch.float32, cpu, 0.1),
+            ModelDrafter(draft_model, 2, 128, 4, kv_dtype, cpu, 0.1),
         ),
     }
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
 @pytest.mark.parametrize("name", ["ngram", "early_exit", "early_exit-static", "draft_model"])
-def test_greedy_output_with_trees_equals_plain_decoding(name, tiny_model, monkeypatch):
+def test_greedy_output_with_trees_equals_plain_decoding(name, kv_cache_dtype, tiny_model, monkeypatch):
     model = tiny_model(vocab_size=64, seed=3)
     draft = tiny_model(vocab_size=64, seed=3, num_hidden_layers=2)  # same weights: drafts often right
-    plain = greedy_run(tiny_engine(model))
-    spec, drafter = drafters(model, draft)[name]
-    llm = tiny_engine(model, spec, drafter)
+    plain = greedy_run(tiny_engine(model, kv_cache_dtype=kv_cache_dtype))
+    kv_dtype = torch.bfloat16 if kv_cache_dtype == "bfloat16" else torch.float32
+    spec, drafter = drafters(model, draft, kv_dtype)[name]
+    llm = tiny_engine(model, spec, drafter, kv_cache_dtype)
+    assert llm.paged_kv.k[0].dtype == kv_dtype
     trees = []
     propose = llm.drafter.propose
     llm.drafter.propose = lambda slots: trees.append(d := propose(slots)) or d

@@ -1,6 +1,28 @@
 /* The attention kernels of the CPU kernels, float32, x86-64 with AVX2 and FMA (AVX-512
- * paths where the CPU has it, -mavx512f). */
+ * paths where the CPU has it, -mavx512f).
+ *
+ * The cache holds kv_t: float (paged_attention_f32), or, where attention_bf16.c includes
+ * this file with ATTENTION_KV_BF16 defined, bfloat16 (paged_attention_kv_bf16). Keys and values are
+ * loaded as float32 (kv1, kv8, kv16: exact for bfloat16) and everything after the load is
+ * the same arithmetic in the same order, so both twins keep the same batch invariance. */
 #include "common.h"
+
+#ifdef ATTENTION_KV_BF16
+typedef uint16_t kv_t;
+#define PAGED_ATTENTION paged_attention_kv_bf16
+#define kv1 bf16_to_f32
+#define kv8 bf16x8_to_f32
+#define kv16 bf16x16_to_f32
+#else
+typedef float kv_t;
+#define PAGED_ATTENTION paged_attention_f32
+static inline float kv1(float x) { return x; }
+static inline __m256 kv8(const float *p) { return _mm256_loadu_ps(p); }
+#ifdef __AVX512F__
+static inline __m512 kv16(const float *p) { return _mm512_loadu_ps(p); }
+#endif
+#endif
+#define KV_LINES(DV) ((DV) * (int)sizeof(kv_t) / 4) /* 64-byte lines of one key of 16 * DV */
 
 /* Attention of listed tokens over the paged KV cache.
  *
@@ -52,7 +74,7 @@ static inline float softmax_row(float *sr, int64_t L, int64_t Lmax, float mx) {
  * scores: RH rows of stride ss floats. Softmax in two passes (scores and their max,
  * then exp and the weighted sum of values), the sum normalised once at the end. */
 static inline __attribute__((always_inline)) void attend512(const float *const *q, const int64_t *L, int64_t Lmax,
-                                                             const float *k_cache, const float *v_cache,
+                                                             const kv_t *k_cache, const kv_t *v_cache,
                                                              const int64_t *sl, int64_t KVH, int64_t g, float scale,
                                                              float *scores, int64_t ss, float *const *o, const int DV,
                                                              const int RH) {
@@ -63,13 +85,13 @@ static inline __attribute__((always_inline)) void attend512(const float *const *
         for (int d = 0; d < DV; d++) qv[r][d] = _mm512_mul_ps(_mm512_loadu_ps(q[r] + 16 * d), _mm512_set1_ps(scale));
     }
     for (int64_t j = 0; j < Lmax; j++) {
-        const float *kj = k_cache + (sl[j] * KVH + g) * 16 * DV;
+        const kv_t *kj = k_cache + (sl[j] * KVH + g) * 16 * DV;
         if (j + PF < Lmax) {
             const char *next = (const char *)(k_cache + (sl[j + PF] * KVH + g) * 16 * DV);
-            for (int d = 0; d < DV; d++) _mm_prefetch(next + 64 * d, _MM_HINT_T0);
+            for (int d = 0; d < KV_LINES(DV); d++) _mm_prefetch(next + 64 * d, _MM_HINT_T0);
         }
         __m512 kv[8];
-        for (int d = 0; d < DV; d++) kv[d] = _mm512_loadu_ps(kj + 16 * d);
+        for (int d = 0; d < DV; d++) kv[d] = kv16(kj + 16 * d);
         for (int r = 0; r < RH; r++) {
             __m512 s = _mm512_mul_ps(qv[r][0], kv[0]);
             for (int d = 1; d < DV; d++) s = _mm512_fmadd_ps(qv[r][d], kv[d], s);
@@ -83,13 +105,13 @@ static inline __attribute__((always_inline)) void attend512(const float *const *
         for (int d = 0; d < DV; d++) acc[r][d] = _mm512_setzero_ps();
     }
     for (int64_t j = 0; j < Lmax; j++) {
-        const float *vj = v_cache + (sl[j] * KVH + g) * 16 * DV;
+        const kv_t *vj = v_cache + (sl[j] * KVH + g) * 16 * DV;
         if (j + PF < Lmax) {
             const char *next = (const char *)(v_cache + (sl[j + PF] * KVH + g) * 16 * DV);
-            for (int d = 0; d < DV; d++) _mm_prefetch(next + 64 * d, _MM_HINT_T0);
+            for (int d = 0; d < KV_LINES(DV); d++) _mm_prefetch(next + 64 * d, _MM_HINT_T0);
         }
         __m512 vv[8];
-        for (int d = 0; d < DV; d++) vv[d] = _mm512_loadu_ps(vj + 16 * d);
+        for (int d = 0; d < DV; d++) vv[d] = kv16(vj + 16 * d);
         for (int r = 0; r < RH; r++) {
             const __m512 w = _mm512_set1_ps(scores[r * ss + j]);
             for (int d = 0; d < DV; d++) acc[r][d] = _mm512_fmadd_ps(w, vv[d], acc[r][d]);
@@ -104,7 +126,7 @@ static inline __attribute__((always_inline)) void attend512(const float *const *
 /* Scores of RH query vectors (a group of a work item) against keys j0 .. j1 - 1: the same
  * arithmetic per vector as attend512's first pass; mx[r] the running max over its own keys. */
 static inline __attribute__((always_inline)) void score_group(const float *const *q, const int64_t *L, int64_t j0,
-                                                               int64_t j1, int64_t Lmax, const float *k_cache,
+                                                               int64_t j1, int64_t Lmax, const kv_t *k_cache,
                                                                const int64_t *sl, int64_t KVH, int64_t g, float scale,
                                                                float *scores, int64_t ss, float *mx, int prefetch,
                                                                const int DV, const int RH) {
@@ -112,13 +134,13 @@ static inline __attribute__((always_inline)) void score_group(const float *const
     for (int r = 0; r < RH; r++)
         for (int d = 0; d < DV; d++) qv[r][d] = _mm512_mul_ps(_mm512_loadu_ps(q[r] + 16 * d), _mm512_set1_ps(scale));
     for (int64_t j = j0; j < j1; j++) {
-        const float *kj = k_cache + (sl[j] * KVH + g) * 16 * DV;
+        const kv_t *kj = k_cache + (sl[j] * KVH + g) * 16 * DV;
         if (prefetch && j + PF < Lmax) {
             const char *next = (const char *)(k_cache + (sl[j + PF] * KVH + g) * 16 * DV);
-            for (int d = 0; d < DV; d++) _mm_prefetch(next + 64 * d, _MM_HINT_T0);
+            for (int d = 0; d < KV_LINES(DV); d++) _mm_prefetch(next + 64 * d, _MM_HINT_T0);
         }
         __m512 kv[8];
-        for (int d = 0; d < DV; d++) kv[d] = _mm512_loadu_ps(kj + 16 * d);
+        for (int d = 0; d < DV; d++) kv[d] = kv16(kj + 16 * d);
         for (int r = 0; r < RH; r++) {
             __m512 s = _mm512_mul_ps(qv[r][0], kv[0]);
             for (int d = 1; d < DV; d++) s = _mm512_fmadd_ps(qv[r][d], kv[d], s);
@@ -132,20 +154,20 @@ static inline __attribute__((always_inline)) void score_group(const float *const
 /* The weighted values of keys j0 .. j1 - 1 added to the accumulators acc (RH rows of D
  * floats, zero before the first block): attend512's second pass, block by block. */
 static inline __attribute__((always_inline)) void value_group(int64_t j0, int64_t j1, int64_t Lmax,
-                                                               const float *v_cache, const int64_t *sl, int64_t KVH,
+                                                               const kv_t *v_cache, const int64_t *sl, int64_t KVH,
                                                                int64_t g, const float *scores, int64_t ss, float *acc,
                                                                int prefetch, const int DV, const int RH) {
     __m512 a[MAXV][8];
     for (int r = 0; r < RH; r++)
         for (int d = 0; d < DV; d++) a[r][d] = j0 ? _mm512_loadu_ps(acc + r * 16 * DV + 16 * d) : _mm512_setzero_ps();
     for (int64_t j = j0; j < j1; j++) {
-        const float *vj = v_cache + (sl[j] * KVH + g) * 16 * DV;
+        const kv_t *vj = v_cache + (sl[j] * KVH + g) * 16 * DV;
         if (prefetch && j + PF < Lmax) {
             const char *next = (const char *)(v_cache + (sl[j + PF] * KVH + g) * 16 * DV);
-            for (int d = 0; d < DV; d++) _mm_prefetch(next + 64 * d, _MM_HINT_T0);
+            for (int d = 0; d < KV_LINES(DV); d++) _mm_prefetch(next + 64 * d, _MM_HINT_T0);
         }
         __m512 vv[8];
-        for (int d = 0; d < DV; d++) vv[d] = _mm512_loadu_ps(vj + 16 * d);
+        for (int d = 0; d < DV; d++) vv[d] = kv16(vj + 16 * d);
         for (int r = 0; r < RH; r++) {
             const __m512 w = _mm512_set1_ps(scores[r * ss + j]);
             for (int d = 0; d < DV; d++) a[r][d] = _mm512_fmadd_ps(w, vv[d], a[r][d]);
@@ -170,8 +192,8 @@ static inline __attribute__((always_inline)) void value_group(int64_t j0, int64_
  * and its order, are attend512's: the same bits whichever vectors share the item. At 64
  * requests of 500 tokens a step's attention read each request's keys once per 4 vectors
  * from memory: a request's draft doubled its attention time. acc: MAXR * D floats. */
-static void attend_blocked512(const float *const *q, const int64_t *L, int64_t Lmax, int nv, const float *k_cache,
-                              const float *v_cache, const int64_t *sl, int64_t KVH, int64_t g, float scale,
+static void attend_blocked512(const float *const *q, const int64_t *L, int64_t Lmax, int nv, const kv_t *k_cache,
+                              const kv_t *v_cache, const int64_t *sl, int64_t KVH, int64_t g, float scale,
                               float *scores, int64_t ss, float *acc, float *const *o, int64_t D) {
     const int GR = D == 64 ? 4 : 2, DVN = (int)(D / 16);
     float mx[MAXR], total[MAXR];
@@ -205,8 +227,8 @@ static void attend_blocked512(const float *const *q, const int64_t *L, int64_t L
 }
 
 /* attend512 for nv vectors (at most 4 for D = 64, 2 for D = 128). */
-static void attend512_vectors(const float *const *q, const int64_t *L, int64_t Lmax, int nv, const float *k_cache,
-                              const float *v_cache, const int64_t *sl, int64_t KVH, int64_t g, float scale,
+static void attend512_vectors(const float *const *q, const int64_t *L, int64_t Lmax, int nv, const kv_t *k_cache,
+                              const kv_t *v_cache, const int64_t *sl, int64_t KVH, int64_t g, float scale,
                               float *scores, int64_t ss, float *const *o, int64_t D) {
     if (D == 64) {
         switch (nv) {
@@ -271,6 +293,26 @@ static inline void score8(const float *qs, const float *const *k, int64_t D, flo
         for (int64_t t = d; t < D; t++) out[i] = fmaf(qs[t], k[i][t], out[i]);
 }
 
+/* rows[j - j0] = keys (or values) j0 .. j1 - 1 of KV head g as D floats: the cache's own
+ * rows for a float32 cache; a bfloat16 block widened once into buf (KB * D floats), which
+ * every vector of the item then reads from L1. */
+static inline void block_rows(const kv_t *cache, const int64_t *sl, int64_t j0, int64_t j1, int64_t KVH, int64_t g,
+                              int64_t D, float *buf, const float **rows) {
+    for (int64_t j = j0; j < j1; j++) {
+        const kv_t *src = cache + (sl[j] * KVH + g) * D;
+#ifdef ATTENTION_KV_BF16
+        float *dst = buf + (j - j0) * D;
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, kv8(src + d));
+        for (; d < D; d++) dst[d] = kv1(src[d]);
+        rows[j - j0] = dst;
+#else
+        (void)buf;
+        rows[j - j0] = src;
+#endif
+    }
+}
+
 /* exp(score - max) in place over a vector's own L keys (the max over them), 0 from there
  * to Lmax; returns their sum. */
 static float softmax256(float *sr, int64_t L, int64_t Lmax) {
@@ -294,15 +336,15 @@ static float softmax256(float *sr, int64_t L, int64_t Lmax) {
     return hsum(t);
 }
 
-/* acc [D] += sum over keys j0 .. j1 - 1 of e[j] * value j: an FMA chain over j per dimension. */
-static void values256(const float *e, int64_t j0, int64_t j1, const float *v_cache, const int64_t *sl, int64_t KVH,
-                      int64_t g, int64_t D, float *acc) {
+/* acc [D] += sum over the n values v[j] (D floats each) of e[j] * v[j]: an FMA chain over j
+ * per dimension. */
+static void values256(const float *e, int64_t n, const float *const *v, int64_t D, float *acc) {
     int64_t d = 0;
     for (; d + 64 <= D; d += 64) {
         __m256 a[8];
         for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(acc + d + 8 * c);
-        for (int64_t j = j0; j < j1; j++) {
-            const float *vj = v_cache + (sl[j] * KVH + g) * D + d;
+        for (int64_t j = 0; j < n; j++) {
+            const float *vj = v[j] + d;
             const __m256 w = _mm256_set1_ps(e[j]);
             for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 8 * c), a[c]);
         }
@@ -310,43 +352,40 @@ static void values256(const float *e, int64_t j0, int64_t j1, const float *v_cac
     }
     for (; d + 8 <= D; d += 8) {
         __m256 a = _mm256_loadu_ps(acc + d);
-        for (int64_t j = j0; j < j1; j++)
-            a = _mm256_fmadd_ps(_mm256_set1_ps(e[j]), _mm256_loadu_ps(v_cache + (sl[j] * KVH + g) * D + d), a);
+        for (int64_t j = 0; j < n; j++) a = _mm256_fmadd_ps(_mm256_set1_ps(e[j]), _mm256_loadu_ps(v[j] + d), a);
         _mm256_storeu_ps(acc + d, a);
     }
     for (; d < D; d++)
-        for (int64_t j = j0; j < j1; j++) acc[d] = fmaf(e[j], v_cache[(sl[j] * KVH + g) * D + d], acc[d]);
+        for (int64_t j = 0; j < n; j++) acc[d] = fmaf(e[j], v[j][d], acc[d]);
 }
 
-static void attend256(const float *const *q, const int64_t *L, int64_t Lmax, int nv, const float *k_cache,
-                      const float *v_cache, const int64_t *sl, int64_t KVH, int64_t g, float scale, float *scores,
-                      int64_t ss, float *qs, float *acc, float *const *o, int64_t D) {
+static void attend256(const float *const *q, const int64_t *L, int64_t Lmax, int nv, const kv_t *k_cache,
+                      const kv_t *v_cache, const int64_t *sl, int64_t KVH, int64_t g, float scale, float *scores,
+                      int64_t ss, float *qs, float *acc, float *buf, float *const *o, int64_t D) {
     float total[MAXR];
+    const float *rows[KB];
     for (int r = 0; r < nv; r++) {
         for (int64_t d = 0; d < D; d++) qs[r * D + d] = q[r][d] * scale;
         for (int64_t d = 0; d < D; d++) acc[r * D + d] = 0.0f;
     }
     for (int64_t j0 = 0; j0 < Lmax; j0 += KB) { /* a block of keys, read from L1 by every vector */
         const int64_t j1 = j0 + KB < Lmax ? j0 + KB : Lmax;
+        block_rows(k_cache, sl, j0, j1, KVH, g, D, buf, rows);
         int64_t j = j0;
-        for (; j + 8 <= j1; j += 8) {
-            const float *k[8];
-            for (int i = 0; i < 8; i++) k[i] = k_cache + (sl[j + i] * KVH + g) * D;
+        for (; j + 8 <= j1; j += 8)
             for (int r = 0; r < nv; r++)
-                if (j < L[r]) score8(qs + r * D, k, D, scores + r * ss + j);
-        }
-        for (; j < j1; j++) {
-            const float *kj = k_cache + (sl[j] * KVH + g) * D;
+                if (j < L[r]) score8(qs + r * D, rows + (j - j0), D, scores + r * ss + j);
+        for (; j < j1; j++)
             for (int r = 0; r < nv; r++)
-                if (j < L[r]) scores[r * ss + j] = score1(qs + r * D, kj, D);
-        }
+                if (j < L[r]) scores[r * ss + j] = score1(qs + r * D, rows[j - j0], D);
     }
     for (int r = 0; r < nv; r++) total[r] = softmax256(scores + r * ss, L[r], Lmax);
     for (int64_t j0 = 0; j0 < Lmax; j0 += KB) {
         const int64_t j1 = j0 + KB < Lmax ? j0 + KB : Lmax;
+        block_rows(v_cache, sl, j0, j1, KVH, g, D, buf, rows);
         for (int r = 0; r < nv; r++) {
             const int64_t e1 = j1 < L[r] ? j1 : L[r];
-            if (e1 > j0) values256(scores + r * ss, j0, e1, v_cache, sl, KVH, g, D, acc + r * D);
+            if (e1 > j0) values256(scores + r * ss + j0, e1 - j0, rows, D, acc + r * D);
         }
     }
     for (int r = 0; r < nv; r++) {
@@ -376,7 +415,7 @@ static int64_t attention_items(const int64_t *start, int64_t n, int64_t KVH, int
     return count;
 }
 
-void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+void PAGED_ATTENTION(const float *q, int64_t q_stride, const kv_t *k_cache, const kv_t *v_cache,
                          const int64_t *rows, const int64_t *start, const int64_t *len, const int64_t *slots,
                          float *out, int64_t n, int64_t H, int64_t KVH, int64_t D, float scale, int num_threads) {
     const int64_t rep = H / KVH;
@@ -398,8 +437,8 @@ void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
     const int64_t count = attention_items(start, n, KVH, rep, per_item, items), ss = max_len + 16;
     #pragma omp parallel num_threads(count > 1 ? num_threads : 1)
     {
-        float *scores = malloc(sizeof(float) * (MAXR * ss + 2 * MAXR * D));
-        float *acc = scores + MAXR * ss, *qs = acc + MAXR * D;
+        float *scores = malloc(sizeof(float) * (MAXR * ss + 2 * MAXR * D + KB * D));
+        float *acc = scores + MAXR * ss, *qs = acc + MAXR * D, *buf = qs + MAXR * D;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < count; it++) {
             const AttnItem w = items[it];
@@ -425,7 +464,7 @@ void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
                 continue;
             }
 #endif
-            attend256(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, qs, acc, op, D);
+            attend256(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, qs, acc, buf, op, D);
         }
         free(scores);
     }

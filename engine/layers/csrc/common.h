@@ -44,6 +44,34 @@ static inline float exp1(float x) { /* the same function on one float: vector la
     return _mm_cvtss_f32(_mm256_castps256_ps128(exp256(_mm256_set1_ps(x))));
 }
 
+/* bfloat16, the high half of a float32: f32_to_bf16 rounds to nearest even (a NaN becomes
+ * 0x7fc0), as torch's conversion does; bfloat16 -> float32 is exact (a shift by 16). */
+static inline uint16_t f32_to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+static inline __m256 bf16x8_to_f32(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#ifdef __AVX512F__
+static inline __m512 bf16x16_to_f32(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
+/* The element type of a paged KV cache, as cpu_kernels.py passes it. */
+enum { KV_F32 = 0, KV_BF16 = 1 };
+
 void matmul_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K, int num_threads);
 void grouped_matmul_f32(int64_t G, const float *const *x, const float *const *w, float *const *y, const int64_t *M,
                         int64_t N, int64_t K, int num_threads);
@@ -51,6 +79,9 @@ void rms_norm_f32(const float *x, const float *w, float *y, int64_t T, int64_t H
 void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                          const int64_t *rows, const int64_t *start, const int64_t *len, const int64_t *slots,
                          float *out, int64_t n, int64_t H, int64_t KVH, int64_t D, float scale, int num_threads);
+void paged_attention_kv_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                             const int64_t *rows, const int64_t *start, const int64_t *len, const int64_t *slots,
+                             float *out, int64_t n, int64_t H, int64_t KVH, int64_t D, float scale, int num_threads);
 void silu_mul_f32(const float *gu, float *out, int64_t T, int64_t I, int num_threads);
 
 /* A sparse mixture-of-experts MLP (moe.c): every weight [out, in] in matmul_f32's layout. */

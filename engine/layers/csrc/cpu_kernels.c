@@ -77,7 +77,8 @@ void rope_f32(const float *x, int64_t x_stride, const float *cos, const float *s
  * results are the same bits, without the Python and torch dispatch between them.
  * Weights [out, in], each in matmul_f32's layout: w_qkv [(H + 2 KVH) D, In], w_o [Hd, H D],
  * w_gu [2 I, Hd] (gate rows, then up rows), w_down [Hd, I]; cos, sin [T, D]; the new keys
- * (rotated) and values are written at slot_mapping[t] of k_cache, v_cache [num_slots, KVH, D].
+ * (rotated) and values are written at slot_mapping[t] of k_cache, v_cache [num_slots, KVH, D], whose
+ * elements are float (kv_type KV_F32) or bfloat16 (KV_BF16: rounded to nearest even at the write).
  * attn_in: NULL for a decoder layer (the attention reads rms_norm(x) * ln1, In = Hd), or
  * the attention's input [T, In] given whole (an EAGLE head: its normed embeddings and
  * features side by side, In = 2 Hd, while x, the residual, is the features; ln1 unused).
@@ -99,12 +100,21 @@ static void layer_matmul(layer_matmul_fn mm, const float *x, const float *w, flo
         matmul_f32(x, w, y, M, N, K, num_threads);
 }
 
+/* src [n] into the cache from its element at (kv_type KV_BF16: rounded to nearest even). */
+static void write_kv(void *cache, int kv_type, int64_t at, const float *src, int64_t n) {
+    if (kv_type == KV_BF16) {
+        uint16_t *dst = (uint16_t *)cache + at;
+        for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy((float *)cache + at, src, sizeof(float) * n);
+    }
+}
+
 void decoder_layer_f32(float *x, const float *attn_in, int64_t In, int64_t T, int64_t Hd, int64_t H, int64_t KVH,
                        int64_t D, int64_t I, float eps, float scale, const float *ln1, const float *w_qkv,
                        const float *w_o, const float *ln2, const float *w_gu, const float *w_down,
                        const float *b_qkv, const float *q_norm, const float *k_norm, layer_matmul_fn mm,
-                       const moe_t *moe, float *k_cache,
-                       float *v_cache, const float *cos, const float *sin, const int64_t *slot_mapping,
+                       const moe_t *moe, void *k_cache, void *v_cache, int kv_type, const float *cos, const float *sin, const int64_t *slot_mapping,
                        const int64_t *rows, const int64_t *start, const int64_t *len, const int64_t *slots,
                        float *scratch, int num_threads) {
     const int64_t QKV = (H + 2 * KVH) * D, QK = (H + KVH) * D;
@@ -128,10 +138,14 @@ void decoder_layer_f32(float *x, const float *attn_in, int64_t In, int64_t T, in
     }
     rope_f32(qkv, QKV, cos, sin, qk, T, H + KVH, D);
     for (int64_t t = 0; t < T; t++) {
-        memcpy(k_cache + slot_mapping[t] * KVH * D, qk + t * QK + H * D, sizeof(float) * KVH * D);
-        memcpy(v_cache + slot_mapping[t] * KVH * D, qkv + t * QKV + QK, sizeof(float) * KVH * D);
+        write_kv(k_cache, kv_type, slot_mapping[t] * KVH * D, qk + t * QK + H * D, KVH * D);
+        write_kv(v_cache, kv_type, slot_mapping[t] * KVH * D, qkv + t * QKV + QK, KVH * D);
     }
-    paged_attention_f32(qk, QK, k_cache, v_cache, rows, start, len, slots, att, T, H, KVH, D, scale, num_threads);
+    if (kv_type == KV_BF16)
+        paged_attention_kv_bf16(qk, QK, k_cache, v_cache, rows, start, len, slots, att, T, H, KVH, D, scale,
+                                num_threads);
+    else
+        paged_attention_f32(qk, QK, k_cache, v_cache, rows, start, len, slots, att, T, H, KVH, D, scale, num_threads);
     layer_matmul(mm, att, w_o, o, T, Hd, H * D, num_threads);
     for (int64_t i = 0; i < T * Hd; i++) x[i] += o[i];
     rms_norm_f32(x, ln2, h, T, Hd, eps, num_threads);
