@@ -4,8 +4,10 @@ what a verification pass's draft chains and trees cost in attention (engine/laye
     .venv/bin/python -m bench.attention [--repeats 20]
 
 Times ``cpu_kernels.paged_attention`` over SmolLM2-135M's heads (9 query heads, 3 KV
-heads of 64) for 30 layers, with the slots of each request in blocks of 16 spread
-over the cache as the block allocator leaves them:
+heads of 64) for 30 layers, each over its own cache (as in the engine: a step reads
+every layer's keys from memory, not one layer's from the last-level cache), with the
+slots of each request in blocks of 16 spread over the cache as the block allocator
+leaves them:
 
 - ``engine``: the metadata the engine builds (``listed=True``): a chain's rows share
   their request's list of slots, each row seeing one key more than the row before; a
@@ -42,17 +44,18 @@ CASES = [  # (requests, context, new tokens per request: a chain's length or a t
 
 
 def problem(requests: int, context: int, new):
-    """(q, k, v, kv cache, specs): ``requests`` requests of ``context`` cached tokens and
-    ``new`` new ones each (a count: a chain; else a tree's parents), their blocks in a
-    random order over the cache."""
+    """(q, k, v, a KV cache per layer, specs): ``requests`` requests of ``context`` cached
+    tokens and ``new`` new ones each (a count: a chain; else a tree's parents), their blocks in
+    a random order over the cache."""
     rows, parents = (new, None) if isinstance(new, int) else (len(new), new)
     per_request = -(-(context + rows) // BLOCK)
     order = torch.randperm(requests * per_request).tolist()
     specs = [SeqSpec(context, rows, order[i * per_request : (i + 1) * per_request], parents) for i in range(requests)]
-    cache = [torch.randn(requests * per_request, BLOCK, KV_HEADS, HEAD_DIM) for _ in range(2)]
+    caches = [tuple(torch.randn(requests * per_request, BLOCK, KV_HEADS, HEAD_DIM) for _ in range(2))
+              for _ in range(LAYERS)]
     new = requests * rows
     q, k, v = torch.randn(new, HEADS, HEAD_DIM), torch.randn(new, KV_HEADS, HEAD_DIM), torch.randn(new, KV_HEADS, HEAD_DIM)
-    return q, k, v, cache, specs
+    return q, k, v, caches, specs
 
 
 def row_by_row(meta):
@@ -63,31 +66,31 @@ def row_by_row(meta):
     return dataclasses.replace(meta, listed=ListedQueries(ls.rows, start, ls.length, torch.cat(lists)))
 
 
-def time_layers(fn) -> float:
+def time_layers(fn, caches) -> float:
     t = time.perf_counter()
-    for _ in range(LAYERS):
-        fn()
+    for cache in caches:
+        fn(cache)
     return (time.perf_counter() - t) * 1000
 
 
 @torch.inference_mode()
 def measure(case, repeats: int) -> list[float]:
-    q, k, v, (k_cache, v_cache), specs = problem(*case)
-    bf16 = (k_cache.bfloat16(), v_cache.bfloat16())
+    q, k, v, caches, specs = problem(*case)
+    bf16 = [(kc.bfloat16(), vc.bfloat16()) for kc, vc in caches]
     listed = build_attention_metadata(specs, BLOCK, listed=True)
     reference = build_attention_metadata(specs, BLOCK)
     separate = row_by_row(listed)
-    ways = {
-        "engine": lambda: paged_attention(q, k, v, (k_cache, v_cache), listed),
-        "engine, bfloat16 cache": lambda: paged_attention(q, k, v, bf16, listed),
-        "row by row": lambda: paged_attention(q, k, v, (k_cache, v_cache), separate),
-        "torch": lambda: paged_attention(q, k, v, (k_cache, v_cache), reference),
+    ways = {  # name: (attention of one layer over its cache, the layers' caches)
+        "engine": (lambda c: paged_attention(q, k, v, c, listed), caches),
+        "engine, bfloat16 cache": (lambda c: paged_attention(q, k, v, c, listed), bf16),
+        "row by row": (lambda c: paged_attention(q, k, v, c, separate), caches),
+        "torch": (lambda c: paged_attention(q, k, v, c, reference), caches),
     }
     best = {name: float("inf") for name in ways}
     for _ in range(repeats):
-        for name, fn in ways.items():
-            time_layers(fn)  # caches warm for this way (the torch one evicts everything)
-            best[name] = min(best[name], time_layers(fn))
+        for name, (fn, layer_caches) in ways.items():
+            time_layers(fn, layer_caches)  # warm for this way (the torch one evicts everything)
+            best[name] = min(best[name], time_layers(fn, layer_caches))
     return list(best.values())
 
 
@@ -109,7 +112,8 @@ def main() -> None:
                            "bfloat16 cache (ms)", "bfloat16 / float32", "row by row (ms)", "torch (ms)",
                            "row by row / engine"], rows)
     body += (f"\n\nAttention of one pass through the {LAYERS} layers (new keys written, then attended), "
-             f"minimum of {args.repeats} interleaved repeats, each after a warm-up run; 9 query heads over 3 KV heads of 64.")
+             f"minimum of {args.repeats} interleaved repeats, each after a warm-up run; 9 query heads over 3 KV heads of 64; "
+             "every layer over its own cache, as in the engine.")
     body += (" The bfloat16 cache column reads a bfloat16 copy of the same cache (`--kv-cache-dtype bfloat16`), "
              f"{'AVX-512' if cpu_kernels.compile_flags() != cpu_kernels.FLAGS else 'AVX2'} build.")
     write_report("attention", "Decode attention over the paged KV cache by context and rows per request", body,
