@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 import torch
 from scipy.stats import chisquare
 
@@ -25,6 +26,14 @@ from engine.llm_engine import LLMEngine
 V = 6
 NUM_SAMPLES = 20_000
 SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)]
+# (method, settings) of the distribution tests over both drafters: the default suite runs each
+# drafter and each setting once, `make test-slow` the other two (as the tree tests do).
+METHOD_SETTINGS = [
+    pytest.param("ngram", SETTINGS[0], id="ngram-t1.0"),
+    pytest.param("ngram", SETTINGS[1], id="ngram-t0.7-p0.9", marks=pytest.mark.slow),
+    pytest.param("draft_model", SETTINGS[0], id="draft_model-t1.0", marks=pytest.mark.slow),
+    pytest.param("draft_model", SETTINGS[1], id="draft_model-t0.7-p0.9"),
+]
 PROMPT = [0, 1, 2, 3, 4, 5, 0]  # every token occurs, so prompt lookup always finds a draft
 POSITIONS = (1, 2, 3)  # output[0] comes from the prefill; with k = 2, output[3] is the first round's bonus
 

@@ -15,6 +15,7 @@ from drafters.ngram import NgramDrafter
 from engine.spec_decode import rejection_sampler
 from tests.spec.bigram import BigramLM, bigram_table, perturbed
 from tests.spec.distribution import (
+    METHOD_SETTINGS,
     NUM_SAMPLES,
     SETTINGS,
     V,
@@ -42,8 +43,7 @@ def build(method):
     return target, ModelDrafter(BigramLM(DRAFT), 1, 3000, 16, torch.float32, torch.device("cpu"), 0.1)
 
 
-@pytest.mark.parametrize("settings", SETTINGS, ids=["t1.0", "t0.7-p0.9"])
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method, settings", METHOD_SETTINGS)
 def test_bigram_rounds_emit_target_distribution(method, settings):
     """The joint of output[1..3]: two drafted positions and the round's bonus token."""
     engine = make_engine(*build(method))
@@ -62,7 +62,8 @@ def test_the_distribution_test_rejects_a_broken_sampler(method, monkeypatch):
 # ---- early exit: a tiny multi-layer Llama whose first layer drafts for it ----
 
 
-@pytest.mark.parametrize("settings", SETTINGS, ids=["t1.0", "t0.7-p0.9"])
+@pytest.mark.parametrize("settings", [pytest.param(SETTINGS[0], id="t1.0", marks=pytest.mark.slow),
+                                      pytest.param(SETTINGS[1], id="t0.7-p0.9")])  # the quantized test runs t1.0
 def test_early_exit_rounds_emit_target_distribution(settings):
     target = tiny_llama()
     counts = sample_joint(make_engine(target, None), settings, NUM_SAMPLES)

@@ -23,7 +23,7 @@ from engine.sampling_params import GuidedDecoding
 from drafters.draft_model import ModelDrafter
 from drafters.ngram import NgramDrafter
 from tests.spec.bigram import BigramLM, bigram_table, perturbed
-from tests.spec.distribution import SETTINGS, V, make_engine, p_value, processed
+from tests.spec.distribution import METHOD_SETTINGS, SETTINGS, V, make_engine, p_value, processed
 
 NUM_SAMPLES = 20_000
 with torch.random.fork_rng():  # bigram_table draws from the global generator: pin it
@@ -120,8 +120,7 @@ def test_reference_mask_matches_the_compiled_grammar():
         assert got == allowed(prefix).tolist(), prefix
 
 
-@pytest.mark.parametrize("settings", SETTINGS, ids=["t1.0", "t0.7-p0.9"])
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method, settings", METHOD_SETTINGS)
 def test_masked_rounds_emit_the_masked_target_distribution(method, settings):
     counts, outside, totals = sample_masked_joint(grammar_engine(method), settings)
     # Drafts were verified and accepted (and at temperature 1 some rejected).
