@@ -17,8 +17,8 @@ needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2/FM
 @needs_kernel
 @pytest.mark.parametrize(
     "m, n, k",
-    [(1, 96, 64), (2, 7, 33), (3, 576, 576), (4, 5, 1536), (5, 130, 100), (8, 64, 31), (9, 3, 40), (10, 130, 100),
-     (16, 64, 576), (33, 9, 37), (70, 100, 64), (200, 50, 30)],
+    [(1, 96, 64), (1, 130, 100), (1, 1000, 70), (2, 7, 33), (2, 200, 64), (3, 576, 576), (4, 5, 1536), (5, 130, 100),
+     (8, 64, 31), (9, 3, 40), (10, 130, 100), (16, 64, 576), (33, 9, 37), (70, 100, 64), (200, 50, 30)],
 )
 def test_matmul_matches_torch(m, n, k, kernel_build):
     """Odd row and feature counts, K not a multiple of the vector width, more rows than one block."""
@@ -39,15 +39,16 @@ def test_matmul_reads_a_non_contiguous_input(kernel_build):
 @needs_kernel
 def test_matmul_row_results_do_not_depend_on_the_batch(kernel_build):
     """A row's bits are the same alone and at any place among any number of other rows (row
-    groups of 4, work items of 64 rows, K in chunks on AVX2), and equal to one FMA chain over k in order."""
+    groups of 4, work items of 64 rows, K in chunks, panels side by side or taking turns), and
+    equal to one FMA chain over k in order."""
     g = torch.Generator().manual_seed(7)
-    w, x = torch.randn(50, 200, generator=g), torch.randn(150, 200, generator=g)
+    w, x = torch.randn(300, 200, generator=g), torch.randn(150, 200, generator=g)
     kw = cpu_kernels.kernel_weight(w)
     alone = torch.cat([cpu_kernels.matmul(x[i : i + 1], kw) for i in range(150)])
     for m in (2, 3, 4, 5, 7, 8, 9, 17, 64, 65, 150):
         assert torch.equal(cpu_kernels.matmul(x[:m], kw), alone[:m])
     assert torch.equal(cpu_kernels.matmul(x[37:101], kw), alone[37:101])
-    chain = torch.zeros(3, 50, dtype=torch.float64)  # the chain in float64, each step rounded to float32 by FMA
+    chain = torch.zeros(3, 300, dtype=torch.float64)  # the chain in float64, each step rounded to float32 by FMA
     for j in range(200):
         chain = (chain + x[:3, j : j + 1].double() * w[:, j].double()).float().double()
     assert torch.equal(alone[:3], chain.float())
