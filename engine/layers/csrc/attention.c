@@ -246,13 +246,15 @@ static void attend512_vectors(const float *const *q, const int64_t *L, int64_t L
 /* The AVX2 path (any head size; with AVX-512, head sizes other than 64 and 128): a work item's
  * nv (<= MAXR) query vectors of KV head g over one list, in three passes over the keys, in
  * blocks of KB that stay in L1 for every vector of the item: the scores, their softmax, the
- * weighted values. Per vector the arithmetic and its order are fixed: a score is an 8-lane
+ * weighted values; where the item's keys and values take at most TOUCH_BYTES, one read of
+ * them all goes first (touch_item). Per vector the arithmetic and its order are fixed: a score is an 8-lane
  * FMA chain over d, its lanes summed as ((0+1)+(2+3))+((4+5)+(6+7)), then a scalar FMA tail
  * (d past the last multiple of 8); the max over its own keys, exp and their sum 8 keys at a
  * time; the values' FMA chain over j per dimension; one division at the end. So a vector's
  * bits never depend on who shares its item, and 8 keys' scores are summed together by a
  * transposing reduction (reduce8) rather than one horizontal sum each. */
 #define AVX2_GROUP 4 /* query vectors per item at least, when there are that many */
+#define TOUCH_BYTES (2 << 20) /* an item's keys and values read ahead of its passes up to this size */
 
 /* The sum of v's lanes in the order of reduce8: ((0+1)+(2+3))+((4+5)+(6+7)). */
 static inline float sum_tree(__m256 v) {
@@ -359,11 +361,30 @@ static void values256(const float *e, int64_t n, const float *const *v, int64_t 
         for (int64_t j = 0; j < n; j++) acc[d] = fmaf(e[j], v[j][d], acc[d]);
 }
 
+/* The n keys and values of KV head g at slots sl, read once in a tight loop (their bits
+ * xor-ed into nothing) so that the passes that follow find them in L2 or L3: the passes'
+ * own loads, spread among their arithmetic, keep too few reads in flight, and prefetch
+ * instructions among them gained nothing (measured on a Zen 2 EPYC, where this read made a
+ * step's attention 1.2x faster at 16 and 64 requests). */
+static void touch_item(const kv_t *k_cache, const kv_t *v_cache, const int64_t *sl, int64_t n, int64_t KVH,
+                       int64_t g, int64_t D) {
+    __m256 t = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        const float *kp = (const float *)(k_cache + (sl[j] * KVH + g) * D);
+        const float *vp = (const float *)(v_cache + (sl[j] * KVH + g) * D);
+        for (int64_t c = 0; c + 8 <= D * (int64_t)sizeof(kv_t) / 4; c += 16) /* 32 bytes of every line */
+            t = _mm256_xor_ps(t, _mm256_xor_ps(_mm256_loadu_ps(kp + c), _mm256_loadu_ps(vp + c)));
+    }
+    volatile int keep = _mm256_movemask_ps(t); /* the loads are not optimized away */
+    (void)keep;
+}
+
 static void attend256(const float *const *q, const int64_t *L, int64_t Lmax, int nv, const kv_t *k_cache,
                       const kv_t *v_cache, const int64_t *sl, int64_t KVH, int64_t g, float scale, float *scores,
                       int64_t ss, float *qs, float *acc, float *buf, float *const *o, int64_t D) {
     float total[MAXR];
     const float *rows[KB];
+    if (Lmax * D * (int64_t)sizeof(kv_t) * 2 <= TOUCH_BYTES) touch_item(k_cache, v_cache, sl, Lmax, KVH, g, D);
     for (int r = 0; r < nv; r++) {
         for (int64_t d = 0; d < D; d++) qs[r * D + d] = q[r][d] * scale;
         for (int64_t d = 0; d < D; d++) acc[r * D + d] = 0.0f;
