@@ -247,12 +247,12 @@ static void attend512_vectors(const float *const *q, const int64_t *L, int64_t L
  * nv (<= MAXR) query vectors of KV head g over one list, in three passes over the keys, in
  * blocks of KB that stay in L1 for every vector of the item: the scores, their softmax, the
  * weighted values; where the item's keys and values take at most TOUCH_BYTES, one read of
- * them all goes first (touch_item). Per vector the arithmetic and its order are fixed: a score is an 8-lane
- * FMA chain over d, its lanes summed as ((0+1)+(2+3))+((4+5)+(6+7)), then a scalar FMA tail
- * (d past the last multiple of 8); the max over its own keys, exp and their sum 8 keys at a
- * time; the values' FMA chain over j per dimension; one division at the end. So a vector's
- * bits never depend on who shares its item, and 8 keys' scores are summed together by a
- * transposing reduction (reduce8) rather than one horizontal sum each. */
+ * them all goes first (touch_item). Per vector the arithmetic and its order are fixed: a
+ * score is an 8-lane FMA chain over d, its lanes summed as ((0+1)+(2+3))+((4+5)+(6+7)), then
+ * a scalar FMA tail (d past the last multiple of 8); the max over its own keys, exp and their
+ * sum 8 keys at a time; the values' FMA chain over j per dimension; one division at the end.
+ * So a vector's bits never depend on who shares its item, and 8 keys' scores are summed
+ * together by a transposing reduction (reduce8) rather than one horizontal sum each. */
 #define AVX2_GROUP 4 /* query vectors per item at least, when there are that many */
 #define TOUCH_BYTES (2 << 20) /* an item's keys and values read ahead of its passes up to this size */
 
