@@ -99,7 +99,9 @@ def test_logits_and_plain_greedy_match_size_one(which, request, tokenizer):
 
 def test_a_bf16_kv_cache_splits_like_size_one(tiny, tokenizer):
     """``--kv-cache-dtype bfloat16`` reaches the worker's shard: rounded like rank 0's, the split's
-    logits stay within float32 rounding of size 1's (a float32 worker shard would move them ~1e-3)."""
+    logits stay within 1e-3 of size 1's (the split's float32 sums in another order can round a
+    key to the neighbouring bfloat16: 2e-4 on the AVX2 build); a float32 worker shard moves
+    them by 6e-2."""
     path, _ = tiny
     whole = tp_engine(path, 1, tokenizer, num_threads=1, enable_prefix_caching=False, kv_cache_dtype="bfloat16")
     split = tp_engine(path, 2, tokenizer, num_threads=1, enable_prefix_caching=False, kv_cache_dtype="bfloat16")
@@ -107,7 +109,7 @@ def test_a_bf16_kv_cache_splits_like_size_one(tiny, tokenizer):
         assert split.paged_kv.k[0].dtype == torch.bfloat16
         ref = prompt_logits(whole.model, whole.paged_kv, TINY_PROMPTS[2])
         got = prompt_logits(split.model, split.paged_kv, TINY_PROMPTS[2])
-        assert (got - ref).abs().max().item() < 1e-4
+        assert (got - ref).abs().max().item() < 1e-3
         assert greedy_ids(split, TINY_PROMPTS) == greedy_ids(whole, TINY_PROMPTS)
     finally:
         check_no_lost_blocks(whole)
