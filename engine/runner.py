@@ -136,6 +136,8 @@ class ModelRunner:
         if not any(row_drafts):
             result = self._sample(logits, requests)
         else:
+            if logits.is_cuda:  # the forward's queued kernels are the step's cost, not verification's
+                torch.cuda.synchronize(logits.device)
             start = time.perf_counter()
             result = self._verify(logits, sched, row_drafts)
             result.verify_s = time.perf_counter() - start

@@ -43,12 +43,12 @@ def test_auto_picks_flash_attn_or_the_fallback():
 def test_kv_cache_sized_by_gpu_memory_utilization():
     from bench.gpu_check import tiny_model
     from engine.attention.backends import TORCH_VARLEN
-    from engine.gpu_memory import gpu_kv_blocks, profile_used_bytes
+    from engine.gpu_memory import ProfileShape, gpu_kv_blocks, profile_used_bytes
     from kvcache.tensors import KVSpec
 
     model = tiny_model(CUDA, torch.bfloat16)
     spec = KVSpec(2, 2, 32, 16, torch.bfloat16)
-    used = profile_used_bytes(model, TORCH_VARLEN, spec, 256, CUDA)
+    used = profile_used_bytes(model, TORCH_VARLEN, spec, ProfileShape(256, 256, 4), CUDA)
     free, total = torch.cuda.mem_get_info(CUDA)
     assert 0 < used < total - free + (1 << 30)  # at least the weights, at most what is held plus the freed step
     blocks = gpu_kv_blocks(total, used, 0.5, spec.bytes_per_block())

@@ -49,3 +49,26 @@ def test_the_device_checks_cuda_paths_on_fake_cuda():
     with fake_cuda():
         report = cuda_paths(SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16))
     assert report.count("| ok |") == 3, report
+
+
+def test_verification_is_timed_from_a_finished_forward(monkeypatch):
+    """The runner books verification's time for the speculation policy: its clock starts
+    after a synchronization, or the forward's queued kernels are booked as verification."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine import runner as runner_module
+
+    with fake_cuda() as gpu:
+        engine = cuda_engine(cuda_model(echo=True), CHAINS)
+        events = []
+        real_clock = time.perf_counter
+        clock = SimpleNamespace(perf_counter=lambda: events.append("clock") or real_clock())  # the runner's clock only
+        monkeypatch.setattr(runner_module, "time", clock)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: events.append("sync") or gpu.synchronize(*a))
+        _, drafted = run(engine, [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)])
+        assert drafted > 0
+        starts = [i for i, e in enumerate(events) if e == "clock"][::2]
+        assert starts and all(i > 0 and events[i - 1] == "sync" for i in starts), events
