@@ -75,7 +75,7 @@ class EagleHead(nn.Module):
         for ``cpu_kernels.matmul`` (``kernel_weight``, read by ``_linear``), and q, k, v and gate,
         up stacked for ``cpu_kernels.decoder_layer``, which then runs the layer in one C call:
         through the layer's 20-odd torch and kernel calls, a drafting pass is mostly dispatch."""
-        if cpu_kernels.load() is None or self.fc.weight.dtype != torch.float32 or self.fc.weight.device.type != "cpu":
+        if self.fc.weight.dtype != torch.float32 or self.fc.weight.device.type != "cpu" or cpu_kernels.load() is None:
             return
         for m in self.modules():
             if isinstance(m, nn.Linear):

@@ -151,9 +151,9 @@ class LlamaDecoderLayer(nn.Module):
         w = attn.qkv_proj.weight
         norms = (self.input_layernorm, self.post_attention_layernorm)
         moe = mlp.kernel if isinstance(mlp, SparseMoE) else None  # the experts' one-call arguments
-        if (cpu_kernels.load() is None or w.dtype != torch.float32 or norms[0].weight.device.type != "cpu"
+        if (w.dtype != torch.float32 or norms[0].weight.device.type != "cpu"  # first: a GPU never builds kernels
                 or not (isinstance(mlp, LlamaMLP) or moe is not None) or attn.o_proj.tp.size > 1
-                or norms[0].eps != norms[1].eps):
+                or norms[0].eps != norms[1].eps or cpu_kernels.load() is None):
             return None
         linears = (attn.qkv_proj, attn.o_proj) + ((mlp.gate_up_proj, mlp.down_proj) if moe is None else ())
         matrices, matmul = tuple(m.kernel for m in linears), None

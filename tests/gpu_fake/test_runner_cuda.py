@@ -72,3 +72,28 @@ def test_verification_is_timed_from_a_finished_forward(monkeypatch):
         assert drafted > 0
         starts = [i for i, e in enumerate(events) if e == "clock"][::2]
         assert starts and all(i > 0 and events[i - 1] == "sync" for i in starts), events
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_cuda_engine_never_builds_the_cpu_kernels(monkeypatch, dtype):
+    """The C kernels are for the CPU: a GPU server neither compiles nor loads them at start-up."""
+    import torch
+
+    from engine.layers import cpu_kernels, quant
+
+    def refuse(*_):
+        raise AssertionError("the CPU kernels were built on a CUDA engine")
+
+    cpu_kernels.load.cache_clear(), quant.load.cache_clear()
+    monkeypatch.setattr(cpu_kernels, "build", refuse)
+    monkeypatch.setattr(quant, "build", refuse)
+    try:
+        with fake_cuda():
+            model = cuda_model(getattr(torch, dtype))
+            model.prepack()  # as the loader calls it
+            engine = cuda_engine(model, CHAINS)
+            (req,), _ = run(engine, [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)], [[5, 6, 7, 8] * 3])
+            assert len(req.output_token_ids) == 4
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.load.cache_clear(), quant.load.cache_clear()
