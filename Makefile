@@ -4,8 +4,13 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# The CPU build of torch lies on this machine's disk; GPU nodes take the CUDA build from PyPI.
+# The CPU build of torch lies on this machine's disk. A GPU node (nvidia-smi on PATH) gets the
+# image's torch and flash-attn wheel, read from the Dockerfile's ARGs, so `make serve` there is the image.
 TORCH_CPU := torch==2.13.0
+docker_arg = $(shell sed -n 's/^ARG $(1)=//p' Dockerfile)
+TORCH_GPU := torch==$(call docker_arg,TORCH_VERSION)
+TORCH_GPU_INDEX := $(call docker_arg,TORCH_INDEX_URL)
+FLASH_ATTN := $(call docker_arg,FLASH_ATTN_VERSION)
 
 .PHONY: setup serve test test-slow test-integration test-all bench docs clean-venv tools
 
@@ -13,7 +18,11 @@ setup: $(VENV)/.installed model
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q $(TORCH_CPU); fi
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(PIP) install -q --index-url $(TORCH_GPU_INDEX) $(TORCH_GPU) \
+	  && { $(PIP) install -q --no-deps "$$($(PY) deploy/flash_attn_wheel.py $(FLASH_ATTN))" \
+	       || echo "no flash-attn wheel for this torch: the engine serves with the torch_varlen backend"; }; \
+	else $(PIP) install -q $(TORCH_CPU); fi
 	$(PIP) install -q -e '.[dev]'
 	touch $@
 
