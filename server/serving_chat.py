@@ -188,12 +188,15 @@ class _View:
         logprobs = self.held_logprobs[index] + (out.logprobs or [])
         pieces = stream.feed(out.new_text)
         if stream.started:
+            if not pieces and not out.finished:  # tokens that add no piece (a closing brace): their logprobs wait
+                self.held_logprobs[index] = logprobs
+                return None, None
             self.held_logprobs[index] = []
             for i, piece in enumerate(pieces):
                 yield self._chunk(index, DeltaMessage(tool_calls=[piece]), self._logprobs(logprobs) if i == 0 else None)
             if out.finished:
                 reason = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
-                yield self._chunk(index, DeltaMessage(), finish_reason=reason)
+                yield self._chunk(index, DeltaMessage(), None if pieces else self._logprobs(logprobs), reason)
             return None, None
         if not (out.finished or stream.rejected or not could_be_call(self.tools, stream.text)):
             self.held_logprobs[index] = logprobs

@@ -255,6 +255,23 @@ def test_required_tool_choice_streams_the_call_piece_by_piece(spec_server):
     jsonschema.validate(json.loads(call.function.arguments), fn["parameters"])
 
 
+def test_a_streamed_call_carries_every_tokens_logprob(spec_server):
+    """Tokens that add no piece to a call (its closing braces) still send their logprobs: the
+    stream's are the unstreamed answer's, one per completion token."""
+    _, server = spec_server
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER, ADD],
+            "tool_choice": "required", "max_tokens": 60, "temperature": 1.0, "logprobs": True, "top_logprobs": 1}
+    with server.http() as http:
+        for seed in range(4):
+            whole = http.post("/v1/chat/completions", json={**body, "seed": seed}).json()
+            streamed = {**body, "seed": seed, "stream": True, "stream_options": {"include_usage": True}}
+            with http.stream("POST", "/v1/chat/completions", json=streamed) as r:
+                chunks = [json.loads(e) for e in sse_events(r)[:-1]]
+            tokens = [t for c in chunks for ch in c["choices"] for t in ((ch.get("logprobs") or {}).get("content") or [])]
+            assert tokens == whole["choices"][0]["logprobs"]["content"], seed
+            assert len(tokens) == chunks[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+
+
 def test_auto_tool_choice_answers_text_or_a_call(spec_server):
     _, server = spec_server
     r = server.client().chat.completions.create(
