@@ -36,8 +36,8 @@ from engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from engine.spec_decode.cost_tracker import CostTracker, measure_step_costs
 from engine.spec_decode.drafter import Draft, DraftSlot
 from engine.spec_decode.fixed_policy import FixedPolicy
-from engine.spec_decode.policy import Candidate, SpecPolicy, StepCosts, StepPlan
-from engine.spec_decode.registry import build_drafter, drafter_memory
+from engine.spec_decode.policy import Candidate, SpecPolicy, SpecState, StepCosts, StepPlan
+from engine.spec_decode.registry import build_drafter, check_speculative, drafter_memory
 from engine.stats import EngineSnapshot, StepTimes, make_step_stats
 from engine.spec_decode.tree import is_chain, walk
 from engine.stop import holdback
@@ -52,6 +52,8 @@ class LLMEngine:
         """``model``, ``tokenizer`` and ``drafter`` may be given ready-made (tests);
         by default they are built from ``config``."""
         self.config = config
+        if drafter is None:
+            check_speculative(config.speculative)  # before the target loads
         self.device_choice = choose_device(config.model.device)
         log.log(logging.WARNING if self.device_choice.fell_back else logging.INFO, "device %s: %s",
                 self.device_choice.device, self.device_choice.reason)
@@ -161,9 +163,13 @@ class LLMEngine:
         self._grammars = value
 
     def spec_summary(self, request_id: str) -> dict:
-        """The request's speculation record (empty without speculation)."""
-        st = self.policy.states.get(request_id) if self.policy else None
-        return st.summary() if st else {}
+        """The request's speculation record: zero counts for a request that drew no drafts (opted
+        out, finished at its prefill), so that every reply of a speculating engine carries one;
+        empty without speculation."""
+        if self.policy is None:
+            return {}
+        st = self.policy.states.get(request_id)
+        return (st or SpecState()).summary()
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.requests.get(request_id)
