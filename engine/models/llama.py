@@ -12,7 +12,6 @@ slots they read and write.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
@@ -26,6 +25,7 @@ from engine.layers.linear import (
     VocabParallelEmbedding,
     calibrate_min_rows,
 )
+from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.arch import Arch, head_dim_of, llama_arch
@@ -91,30 +91,6 @@ class ShardedRMSNorm(nn.Module):
         return self.weight * (x.float() * torch.rsqrt(squares / self.full + self.eps)).to(x.dtype)
 
 
-class LlamaMLP(nn.Module):
-    """The gated MLP: down(act(gate(x)) * up(x)). ``reduce=False`` leaves the tensor-parallel
-    sum to the caller (an expert of ``SparseMoE``)."""
-
-    def __init__(self, hidden: int, intermediate: int, tp: TPGroup, activation: str = "silu", bias: bool = False,
-                 reduce: bool = True):
-        super().__init__()
-        if activation not in ("silu", "gelu_tanh"):
-            raise ValueError(f"MLP activation {activation!r} is not supported (silu, gelu_tanh)")
-        part = tp.split(intermediate, "intermediate_size")  # this rank's (first unit, units)
-        self.activation = activation
-        self.gate_up_proj = ColumnParallelLinear(hidden, None, tp, parts=[part, part], bias=bias,
-                                                 full_sizes=[intermediate, intermediate])
-        self.down_proj = RowParallelLinear(intermediate, hidden, tp, part, bias=bias, reduce=reduce)
-
-    def forward(self, x):
-        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        if self.activation == "silu" and cpu_kernels.usable(gate_up):
-            return self.down_proj(cpu_kernels.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
-        return self.down_proj(act * up)
-
-
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP; with ``sandwich_norms`` (Gemma 2/3) their outputs are
     normed too: ``post_attention_layernorm`` then norms the attention's output and
@@ -126,7 +102,7 @@ class LlamaDecoderLayer(nn.Module):
         if arch.moe_layers[layer_idx]:
             self.mlp = SparseMoE(arch, tp)
         else:
-            self.mlp = LlamaMLP(arch.hidden_size, arch.intermediate_size, tp, arch.activation, arch.mlp_bias)
+            self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, tp, arch.activation, arch.mlp_bias)
         norm = lambda: RMSNorm(arch.hidden_size, arch.eps, arch.norm_offset)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
         self.sandwich = arch.sandwich_norms
@@ -152,7 +128,7 @@ class LlamaDecoderLayer(nn.Module):
         norms = (self.input_layernorm, self.post_attention_layernorm)
         moe = mlp.kernel if isinstance(mlp, SparseMoE) else None  # the experts' one-call arguments
         if (cpu_kernels.load() is None or w.dtype != torch.float32 or norms[0].weight.device.type != "cpu"
-                or not (isinstance(mlp, LlamaMLP) or moe is not None) or attn.o_proj.tp.size > 1
+                or not (isinstance(mlp, GatedMLP) or moe is not None) or attn.o_proj.tp.size > 1
                 or norms[0].eps != norms[1].eps):
             return None
         linears = (attn.qkv_proj, attn.o_proj) + ((mlp.gate_up_proj, mlp.down_proj) if moe is None else ())
