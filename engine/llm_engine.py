@@ -39,7 +39,7 @@ from engine.spec_decode.fixed_policy import FixedPolicy
 from engine.spec_decode.policy import Candidate, SpecPolicy, SpecState, StepCosts, StepPlan
 from engine.spec_decode.registry import build_drafter, check_speculative, drafter_memory
 from engine.stats import EngineSnapshot, StepTimes, make_step_stats
-from engine.spec_decode.tree import is_chain, walk
+from engine.tree import is_chain, walk
 from engine.stop import holdback
 from kvcache import KVCacheManager, blocks_needed
 from kvcache.tensors import KVSpec, PagedKV
