@@ -85,6 +85,12 @@ class AsyncEngine:
     def tokenize(self, text: str) -> list[int]:
         return self.engine.tokenize(text)
 
+    def device_info(self) -> dict[str, str]:
+        """Where the engine runs, for ``/health``: its device, why that one, its attention backend."""
+        choice = self.engine.device_choice
+        return {"device": str(choice.device), "device_reason": choice.reason,
+                "attention_backend": self.engine.runner.attention.name}
+
     async def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
