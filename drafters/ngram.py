@@ -79,11 +79,6 @@ class NgramIndex:
         return tokens[m[0] + m[1] : m[0] + m[1] + k] if m else []
 
 
-def ngram_draft(context: list, n: int, k: int) -> list:
-    """The reference rule on a plain list (any hashable tokens), backing off to 1."""
-    return NgramIndex(1, n).propose(list(context), k)
-
-
 class NgramDrafter(Drafter):
     deterministic = True
     cost_per_token = 0.0
