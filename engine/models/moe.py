@@ -88,7 +88,7 @@ class SparseMoE(nn.Module):
                 out_rows[start : start + n] = expert(rows[start : start + n])
                 start += n
         # Back to token order ([T, k, hidden]), then each token's k rows weighted and summed in
-        # rank order (index_add_ would scatter-add: ~5 ms a call on the CPU, and in no fixed order).
+        # rank order (index_add_ would scatter-add: slow on the CPU, and in no fixed order).
         pairs = out_rows.index_select(0, torch.argsort(order)).view(t, k, -1)
         out = (pairs * weights.unsqueeze(-1)).sum(dim=1)  # [T, hidden]
         if hasattr(self, "shared_expert"):
