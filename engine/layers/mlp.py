@@ -8,7 +8,7 @@ from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.parallel import TPGroup
 
 
-class GatedMLP(nn.Module):
+class LlamaMLP(nn.Module):
     """The gated MLP: down(act(gate(x)) * up(x)). ``reduce=False`` leaves the tensor-parallel
     sum to the caller (an expert of ``SparseMoE``)."""
 

@@ -25,7 +25,7 @@ from engine.layers.linear import (
     VocabParallelEmbedding,
     calibrate_min_rows,
 )
-from engine.layers.mlp import GatedMLP
+from engine.layers.mlp import LlamaMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.arch import Arch, head_dim_of, llama_arch
@@ -102,7 +102,7 @@ class LlamaDecoderLayer(nn.Module):
         if arch.moe_layers[layer_idx]:
             self.mlp = SparseMoE(arch, tp)
         else:
-            self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, tp, arch.activation, arch.mlp_bias)
+            self.mlp = LlamaMLP(arch.hidden_size, arch.intermediate_size, tp, arch.activation, arch.mlp_bias)
         norm = lambda: RMSNorm(arch.hidden_size, arch.eps, arch.norm_offset)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
         self.sandwich = arch.sandwich_norms
@@ -128,7 +128,7 @@ class LlamaDecoderLayer(nn.Module):
         norms = (self.input_layernorm, self.post_attention_layernorm)
         moe = mlp.kernel if isinstance(mlp, SparseMoE) else None  # the experts' one-call arguments
         if (cpu_kernels.load() is None or w.dtype != torch.float32 or norms[0].weight.device.type != "cpu"
-                or not (isinstance(mlp, GatedMLP) or moe is not None) or attn.o_proj.tp.size > 1
+                or not (isinstance(mlp, LlamaMLP) or moe is not None) or attn.o_proj.tp.size > 1
                 or norms[0].eps != norms[1].eps):
             return None
         linears = (attn.qkv_proj, attn.o_proj) + ((mlp.gate_up_proj, mlp.down_proj) if moe is None else ())

@@ -27,7 +27,7 @@ from torch import nn
 
 from engine.layers import cpu_kernels
 from engine.layers.linear import ReplicatedLinear
-from engine.layers.mlp import GatedMLP  # the experts are the dense MLP, summed by this module
+from engine.layers.mlp import LlamaMLP  # the experts are the dense MLP, summed by this module
 from engine.models.arch import Arch, MoESpec, llama_arch
 from engine.parallel import TPGroup
 
@@ -42,7 +42,7 @@ class SparseMoE(nn.Module):
         spec = arch.moe
         self.spec, self.tp = spec, tp
         self.gate = ReplicatedLinear(arch.hidden_size, spec.num_experts)  # the router
-        expert = lambda size: GatedMLP(arch.hidden_size, size, tp, arch.activation, reduce=False)  # noqa: E731
+        expert = lambda size: LlamaMLP(arch.hidden_size, size, tp, arch.activation, reduce=False)  # noqa: E731
         self.experts = nn.ModuleList(expert(spec.intermediate_size) for _ in range(spec.num_experts))
         if spec.shared_intermediate_size:
             self.shared_expert = expert(spec.shared_intermediate_size)
