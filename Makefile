@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # The CPU build of torch lies on this machine's disk; GPU nodes take the CUDA build from PyPI.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup serve test test-slow test-integration test-all bench docs clean-venv tools
+.PHONY: setup serve test test-slow test-integration test-all lint bench docs clean-venv tools
 
 setup: $(VENV)/.installed model
 
@@ -46,6 +46,10 @@ test-integration: setup
 # Every test, whatever its markers.
 test-all: setup
 	$(RUN) -m pytest -q -m 'slow or not slow' $(ARGS)
+
+# ruff, with the settings in pyproject.toml (installed by setup through the dev extra).
+lint: setup
+	$(VENV)/bin/ruff check .
 
 # `make bench` lists the benchmarks; `make bench ARGS="NAME [FLAGS]"` runs one.
 bench: setup
