@@ -181,7 +181,8 @@ def throughput(args) -> str:
         gc.collect()
         if args.device.type == "cuda":
             torch.cuda.empty_cache()
-    return markdown_table(["model", "backend", "batch", "tokens/s"], rows) + "\n\nEnd to end through the engine (prefill included)."
+    table = markdown_table(["model", "backend", "batch", "tokens/s"], rows)
+    return table + "\n\nEnd to end through the engine (prefill included)."
 
 
 def llama8b(args, plot_path: Path) -> str:

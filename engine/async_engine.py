@@ -150,7 +150,7 @@ class AsyncEngine:
                     continue
                 self._step()
                 self.snapshot = self.engine.snapshot()
-        except BaseException as e:  # noqa: BLE001 - the loop must report whatever killed it
+        except BaseException as e:  # the loop must report whatever killed it
             log.exception("engine loop died")
             self.dead_error = e
         finally:
@@ -248,7 +248,7 @@ class AsyncEngine:
         for rid, msg in list(self._streams.items()):
             try:
                 self.engine.abort_request(rid)  # frees its blocks, if the engine's state still allows it
-            except Exception:  # noqa: BLE001 - every stream must still get its error
+            except Exception:  # every stream must still get its error
                 log.exception("could not abort %s", rid)
             _send(msg, error)
         self._streams.clear()

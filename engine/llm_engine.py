@@ -107,7 +107,8 @@ class LLMEngine:
         self._grammars = None  # engine.grammar.Grammars, built at the first structured request
         c_matmul = getattr(getattr(model, "lm_head", None), "kernel", None) is not None  # laid out by prepack
         log.info("engine ready: %d KV blocks of %d tokens on %s (%s, KV cache %s, attention %s); matmul %s%s",
-                 num_blocks, spec.block_size, device, dtype, kv_dtype, attention.name, "by the C kernel (batch invariant)" if c_matmul
+                 num_blocks, spec.block_size, device, dtype, kv_dtype, attention.name,
+                 "by the C kernel (batch invariant)" if c_matmul
                  else f"by torch, inputs padded to {getattr(model, 'min_rows', 1)} rows",
                  ", each decoder layer in one C call" if getattr(model, "fused", None) else "")
 
@@ -302,7 +303,7 @@ class LLMEngine:
             return {}
         try:
             return self._drafts(slots)
-        except Exception:  # noqa: BLE001 - isolated below
+        except Exception:  # isolated below
             log.exception("drafter failed for %d requests; drafting them one by one", len(slots))
         self.step_fallbacks = 1
         drafts = {}
@@ -310,7 +311,7 @@ class LLMEngine:
             self.drafter.rollback(s.request)
             try:
                 drafts.update(self._drafts([s]))
-            except Exception:  # noqa: BLE001 - speculation is an optimization: decode plainly instead
+            except Exception:  # speculation is an optimization: decode plainly instead
                 log.exception("drafter failed; request %s decodes without drafts this step", s.request.request_id)
                 self.drafter.free(s.request.request_id)  # its caches may be half-written
         return drafts
@@ -327,7 +328,7 @@ class LLMEngine:
             if self.fault_hook:
                 self.fault_hook("drafter", [request.request_id])
             return self.drafter.context_class(request)
-        except Exception:  # noqa: BLE001 - speculation is an optimization: decode plainly instead
+        except Exception:  # speculation is an optimization: decode plainly instead
             log.exception("drafter failed; request %s decodes without drafts this step", request.request_id)
             self.step_fallbacks = 1
             self.drafter.free(request.request_id)
@@ -352,7 +353,7 @@ class LLMEngine:
         only the requests that fail by themselves end (with an error)."""
         try:
             return self.runner.execute(scheduled, drafts, masks), []
-        except Exception:  # noqa: BLE001 - isolated below
+        except Exception:  # isolated below
             log.exception("step of %d requests failed; retrying them one by one", len(scheduled.scheduled))
         merged, failed = RunnerOutput({}), []
         for s in scheduled.scheduled:
@@ -391,7 +392,7 @@ class LLMEngine:
                 stats = make_step_stats(self, scheduled, result, touched, times)
                 for logger in self.stat_loggers:
                     logger(stats)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("step stats failed; this step is missing from the metrics")
 
     def _delta(self, req: Request) -> RequestOutput:

@@ -147,7 +147,8 @@ class ModelRunner:
         """The step's new requests and per-request changes (idempotent: see the module doc)."""
         for n in out.new_requests:
             if n.request_id not in self.requests:
-                self.requests[n.request_id] = RequestState(n.request_id, n.params, len(n.prompt_token_ids), list(n.prompt_token_ids))
+                ids = list(n.prompt_token_ids)
+                self.requests[n.request_id] = RequestState(n.request_id, n.params, len(ids), ids)
         for s in out.scheduled:
             st = self.requests[s.request_id]
             del st.block_table[s.block_start :]

@@ -1,7 +1,6 @@
 """Tree data and tree verification on small hand-drawn trees, and the chain case
 against the chain sampler with the same random numbers."""
 
-import numpy as np
 import pytest
 import torch
 
