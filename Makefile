@@ -12,7 +12,7 @@ TORCH_GPU := torch==$(call docker_arg,TORCH_VERSION)
 TORCH_GPU_INDEX := $(call docker_arg,TORCH_INDEX_URL)
 FLASH_ATTN := $(call docker_arg,FLASH_ATTN_VERSION)
 
-.PHONY: setup serve test test-slow test-integration test-all bench docs clean-venv tools
+.PHONY: setup serve test test-slow test-integration test-all lint bench docs clean-venv tools
 
 setup: $(VENV)/.installed model
 
@@ -55,6 +55,10 @@ test-integration: setup
 # Every test, whatever its markers.
 test-all: setup
 	$(RUN) -m pytest -q -m 'slow or not slow' $(ARGS)
+
+# ruff, with the settings in pyproject.toml (installed by setup through the dev extra).
+lint: setup
+	$(VENV)/bin/ruff check .
 
 # `make bench` lists the benchmarks; `make bench ARGS="NAME [FLAGS]"` runs one.
 bench: setup

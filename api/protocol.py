@@ -166,7 +166,7 @@ class SpecDecodeUsage(BaseModel):
 
     @classmethod
     def total(cls, summaries: list[dict]) -> "SpecDecodeUsage | None":
-        """Summed over choices; None when no choice speculated."""
+        """Summed over choices; None without speculation (every summary empty)."""
         summaries = [s for s in summaries if s]
         if not summaries:
             return None
@@ -178,7 +178,7 @@ class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-    spec_decode: SpecDecodeUsage | None = None  # present only when a choice speculated
+    spec_decode: SpecDecodeUsage | None = None  # present when the server speculates (zeros: no drafts)
 
     @model_serializer(mode="wrap")
     def _omit_empty_spec(self, handler):

@@ -98,9 +98,7 @@ async def health(request: Request) -> JSONResponse:
         raise APIError(503, "the engine is not running", code="engine_dead")
     if serving.draining or not serving.ready:
         raise APIError(503, "the server is shutting down", code="shutting_down")
-    llm = serving.engine.engine
-    return JSONResponse({"status": "ok", "device": str(llm.device_choice.device), "device_reason": llm.device_choice.reason,
-                         "attention_backend": llm.runner.attention.name})
+    return JSONResponse({"status": "ok", **serving.engine.device_info()})
 
 
 @router.get("/version", response_model=None, responses={200: {"model": VersionInfo}})

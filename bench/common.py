@@ -178,3 +178,28 @@ def rotated(items: list, r: int) -> list:
     always second)."""
     r %= max(1, len(items))
     return items[r:] + items[:r]
+
+
+def tiny_model(device, dtype, seed=0):
+    """A 2-layer Llama with random weights whose logits are far from ties (as tests/conftest)."""
+    from transformers import LlamaConfig
+
+    from engine.models.llama import LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, 1.0 if ("embed" in name or "lm_head" in name) else p.shape[1] ** -0.5, generator=gen)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def repetitive_prompts(n: int, vocab: int) -> list[list[int]]:
+    """``n`` prompts repeating a random 4-token pattern (prompt lookup drafts them well), 9, 14, ... tokens long."""
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, vocab, (4,), generator=g).tolist() * 12)[: 9 + 5 * i] for i in range(n)]

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import ROOT, markdown_table
+from bench.common import ROOT, markdown_table, repetitive_prompts, tiny_model
 from bench.gpu_paths import cuda_paths
 from engine.attention.backends import BACKENDS, flash_attn_installed, select_backend
 
@@ -101,25 +101,6 @@ def backends_vs_reference(args) -> str:
     return f"Requests: prefills, chunks, decodes, chains, trees (one with no context), {shape}.\n\n" + table
 
 
-def tiny_model(device, dtype, seed=0):
-    """A 2-layer Llama with random weights whose logits are far from ties (as tests/conftest)."""
-    from transformers import LlamaConfig
-
-    from engine.models.llama import LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    model = LlamaForCausalLM(cfg)
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            p.data.fill_(1.0)
-        else:
-            p.data.normal_(0.0, 1.0 if ("embed" in name or "lm_head" in name) else p.shape[1] ** -0.5, generator=gen)
-    return model.to(device=device, dtype=dtype).eval()
-
-
 def engine_for(model, args, backend: str, dtype: torch.dtype, speculative=None, num_blocks=256):
     from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
     from engine.llm_engine import LLMEngine
@@ -141,11 +122,6 @@ def generate(engine, prompts, max_tokens) -> list[list[int]]:
     while engine.has_unfinished():
         engine.step()
     return [r.output_token_ids for r in reqs]
-
-
-def repetitive_prompts(n: int, vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(3)
-    return [(torch.randint(0, vocab, (4,), generator=g).tolist() * 12)[: 9 + 5 * i] for i in range(n)]
 
 
 def greedy_equality(args) -> str:
@@ -205,7 +181,8 @@ def throughput(args) -> str:
         gc.collect()
         if args.device.type == "cuda":
             torch.cuda.empty_cache()
-    return markdown_table(["model", "backend", "batch", "tokens/s"], rows) + "\n\nEnd to end through the engine (prefill included)."
+    table = markdown_table(["model", "backend", "batch", "tokens/s"], rows)
+    return table + "\n\nEnd to end through the engine (prefill included)."
 
 
 def llama8b(args, plot_path: Path) -> str:

@@ -65,14 +65,14 @@ def engine_config(args, speculative=None, path=None, tp: int = 1):
 
 
 def engine_on(args, speculative):
-    from bench.gpu_check import tiny_model
+    from bench.common import tiny_model
     from engine.llm_engine import LLMEngine
 
     return LLMEngine(engine_config(args, speculative), model=tiny_model(args.device, args.dtype))
 
 
 def run_requests(engine, params_list) -> list:
-    from bench.gpu_check import repetitive_prompts
+    from bench.common import repetitive_prompts
 
     prompts = repetitive_prompts(len(params_list), 512)
     reqs = [engine.add_request(f"r{i}", p, params) for i, (p, params) in enumerate(zip(prompts, params_list))]

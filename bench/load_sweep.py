@@ -152,10 +152,12 @@ def report(results: dict, levels: list[int], command: str, max_tokens: int, per_
     for m in methods:
         verdict = "PASS" if worst[m] >= FLOOR else "FAIL"
         body += f"\n\n{m}: worst ratio to plain (throughput or p50 ITL) {worst[m]:.2f} -> **{verdict}** (floor {FLOOR})"
-    lengths = f"{max_tokens}" if fixed else f"{max_tokens // 2}-{max_tokens + max_tokens // 2} (seeded, the same for every server)"
+    lengths = (f"{max_tokens}" if fixed
+               else f"{max_tokens // 2}-{max_tokens + max_tokens // 2} (seeded, the same for every server)")
     body += (f"\n\nEach concurrency c: a wave of {per_worker} c streamed chat requests, greedy, {lengths} "
              "tokens each with ignore_eos, sent by c workers that each send the next request of one shared queue as "
-             "soon as their last one ended (vLLM's --max-concurrency), to every server in turn (all up at once; the order rotated each round), in rounds; "
+             "soon as their last one ended (vLLM's --max-concurrency), to every server in turn (all up at once; "
+             "the order rotated each round), in rounds; "
              "throughput is the median over rounds. ITL: the gap between output events divided by the tokens "
              "they carried, p50 over all gaps of the wave. Ratios above 1 mean speculation on is better. "
              "Drafts and acceptance: the server's /metrics over all rounds at that concurrency (no drafts: the "

@@ -250,7 +250,8 @@ def report(results: dict, command: str) -> None:
         body += "\n\n" + markdown_table(["greedy texts (batch-1 prompts)", "identical"], pairs)
     body += (f"\n\nGreedy, {MAX_TOKENS} new tokens with ignore_eos, prompt processing included; batch 1 is "
              "the median over prompts and rounds, 16 concurrent the total over the wall time (median over rounds). "
-             "Every server up at once, each request sent to each in turn once all were idle: compare ratios, not absolute figures "
+             "Every server up at once, each request sent to each in turn once all were idle: compare ratios, "
+             "not absolute figures "
              "across runs. "
              "specserve and llama.cpp (if listed) run the GGUF file's Q4_1 weights; specserve-float32 and vLLM "
              "float32.\n\n![peers](peers.png)")

@@ -19,18 +19,18 @@ from server import openmp
 if __name__ == "__main__":  # the same OpenMP runtime as the server subprocess, before torch loads
     openmp.ensure("bench.server_vs_engine", sys.argv[1:])
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import resource  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import asyncio
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
 
-from bench.common import chat_prompts, markdown_table, render_chat, write_report  # noqa: E402
-from bench.server_procs import serve  # noqa: E402
-from bench.sse_client import chat_body, stream_chat  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
+from bench.common import chat_prompts, markdown_table, render_chat, write_report
+from bench.server_procs import serve
+from bench.sse_client import chat_body, stream_chat
+from engine import LLM, SamplingParams
 
 MAX_TOKENS = 128
 TARGET = 0.95

@@ -275,7 +275,8 @@ def main() -> None:
     ap.add_argument("--categories", default=None, help="comma-separated subset of the categories")
     ap.add_argument("--eagle-head", default=EAGLE_HEAD)
     ap.add_argument("--baseline", default=None,
-                    help=f"a checkout of an older specserve commit: each chosen method but plain also runs from it, as METHOD{BASE}")
+                    help="a checkout of an older specserve commit: each chosen method but plain also runs from it, "
+                    f"as METHOD{BASE}")
     args = ap.parse_args()
     select_methods(args)
     results = run(args)

@@ -106,7 +106,8 @@ def report(results: dict, args) -> None:
         speedup = (tokens / seconds) / (sum(r[1] for r in base) / sum(r[3] for r in base))
         rows.append([name, tokens, tokens / seconds, speedup, 1 + accepted / drafts if drafts else "-", valid, same])
     table = markdown_table(
-        ["method", "tokens", "tok/s (e2e)", "speedup vs plain under the schema", "mean acc. length", "valid", "same text as plain"],
+        ["method", "tokens", "tok/s (e2e)", "speedup vs plain under the schema", "mean acc. length", "valid",
+         "same text as plain"],
         rows,
     )
     body = (

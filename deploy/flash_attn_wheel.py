@@ -21,7 +21,8 @@ def wheel_name(version: str, torch_version: str, cuda_version: str, cxx11_abi: b
     """
     torch_mm = ".".join(torch_version.split("+")[0].split(".")[:2])
     py = f"cp{python[0]}{python[1]}"
-    return f"flash_attn-{version}+cu{cuda_version.split('.')[0]}torch{torch_mm}cxx11abi{str(cxx11_abi).upper()}-{py}-{py}-linux_x86_64.whl"
+    cuda = cuda_version.split(".")[0]
+    return f"flash_attn-{version}+cu{cuda}torch{torch_mm}cxx11abi{str(cxx11_abi).upper()}-{py}-{py}-linux_x86_64.whl"
 
 
 def wheel_url(version: str, name: str) -> str:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from drafters.tree_drafting import GrowingTree, grow_trees
-from engine.spec_decode import tree
+from engine import tree
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
 from engine.gpu_memory import DrafterMemory

@@ -37,7 +37,7 @@ from engine.spec_decode.drafter import Draft, DraftSlot
 from drafters.draft_model import SamplingDrafter, chain_draft
 from drafters.eagle_head import EagleHead, load_eagle_head
 from drafters.tree_drafting import GrowingTree, grow_trees
-from engine.spec_decode import tree
+from engine import tree
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
 from engine.gpu_memory import DrafterMemory

@@ -23,7 +23,7 @@ import torch
 
 from drafters.draft_model import SamplingDrafter, chain_draft
 from drafters.tree_drafting import grow_trees
-from engine.spec_decode import tree
+from engine import tree
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
 from engine.spec_decode.drafter import Draft, DraftSlot

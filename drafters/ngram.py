@@ -24,7 +24,7 @@ many children as the shape allows at its depth. Example, suffix "b"::
             x - y
 """
 
-from engine.spec_decode import tree
+from engine import tree
 from engine.spec_decode.drafter import Draft, Drafter, DraftSlot
 
 MAX_STARTS = 8  # most recent starts kept per n-gram
@@ -77,11 +77,6 @@ class NgramIndex:
     def propose(self, tokens: list[int], k: int) -> list[int]:
         m = self.match(tokens)
         return tokens[m[0] + m[1] : m[0] + m[1] + k] if m else []
-
-
-def ngram_draft(context: list, n: int, k: int) -> list:
-    """The reference rule on a plain list (any hashable tokens), backing off to 1."""
-    return NgramIndex(1, n).propose(list(context), k)
 
 
 class NgramDrafter(Drafter):

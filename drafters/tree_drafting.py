@@ -1,6 +1,6 @@
 """Growing token trees with a model drafter, depth by depth, inside a template.
 
-The policy hands each slot a template (``DraftSlot.shape``, an ``engine.spec_decode.tree``
+The policy hands each slot a template (``DraftSlot.shape``, an ``engine.tree``
 parent list chosen before drafting). The drafter runs one batched forward per
 depth over each request's tree so far and draws the children of every node of
 the deepest level at once; each node gets exactly the children its template
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.spec_decode.drafter import Draft, DraftSlot
-from engine.spec_decode import tree
+from engine import tree
 
 
 @dataclass

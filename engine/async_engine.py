@@ -85,6 +85,12 @@ class AsyncEngine:
     def tokenize(self, text: str) -> list[int]:
         return self.engine.tokenize(text)
 
+    def device_info(self) -> dict[str, str]:
+        """Where the engine runs, for ``/health``: its device, why that one, its attention backend."""
+        choice = self.engine.device_choice
+        return {"device": str(choice.device), "device_reason": choice.reason,
+                "attention_backend": self.engine.runner.attention.name}
+
     async def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
@@ -144,7 +150,7 @@ class AsyncEngine:
                     continue
                 self._step()
                 self.snapshot = self.engine.snapshot()
-        except BaseException as e:  # noqa: BLE001 - the loop must report whatever killed it
+        except BaseException as e:  # the loop must report whatever killed it
             log.exception("engine loop died")
             self.dead_error = e
         finally:
@@ -242,7 +248,7 @@ class AsyncEngine:
         for rid, msg in list(self._streams.items()):
             try:
                 self.engine.abort_request(rid)  # frees its blocks, if the engine's state still allows it
-            except Exception:  # noqa: BLE001 - every stream must still get its error
+            except Exception:  # every stream must still get its error
                 log.exception("could not abort %s", rid)
             _send(msg, error)
         self._streams.clear()

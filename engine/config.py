@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16)."""
-    from engine.layers.cpu_kernels import cpu_flags
+    from engine.devices import cpu_flags
 
     return " avx512_bf16" in cpu_flags()
 
@@ -210,7 +210,7 @@ class SpeculativeConfig:
     def _check_tree_depth(self, parents: tuple[int, ...]) -> None:
         """A round accepts at most ``num_speculative_tokens`` drafts: the policy's records and
         the metrics' per-position counts have that many places."""
-        from engine.spec_decode.tree import depths
+        from engine.tree import depths
 
         depth = int(depths(parents).max()) + 1
         if depth > self.num_speculative_tokens:
@@ -224,8 +224,8 @@ class SpeculativeConfig:
         return self.tree_width > 1 or self.speculative_token_tree is not None
 
     def static_tree(self) -> tuple[int, ...] | None:
-        """The parent list of ``speculative_token_tree`` (engine.spec_decode.tree), or None."""
-        from engine.spec_decode.tree import parse_static_tree
+        """The parent list of ``speculative_token_tree`` (engine.tree), or None."""
+        from engine.tree import parse_static_tree
 
         literal = self.speculative_token_tree
         if literal is None:

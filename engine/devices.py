@@ -7,8 +7,10 @@ wants a driver >= 580). A GPU deployment passes ``--device cuda``, which fails t
 start-up with that reason instead of serving slowly on the CPU.
 """
 
+import platform
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -54,3 +56,13 @@ def cuda_status() -> tuple[bool, str]:
         return True, f"{n} CUDA device(s), {torch.cuda.get_device_name(0)}, torch {torch.__version__} (CUDA {torch.version.cuda})"
     said = "; ".join(str(w.message).strip() for w in caught) or "no CUDA device is visible"
     return False, f"torch {torch.__version__} is built for CUDA {torch.version.cuda}, but CUDA is unusable: {said}"
+
+
+def cpu_flags() -> str:
+    """/proc/cpuinfo on x86-64 (its flags say which kernels build), else empty."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""

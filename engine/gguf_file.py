@@ -11,9 +11,8 @@ A quantized tensor whose type has no kernel (``quant.KERNEL_TYPES``) is refused 
 with its name and type, unless ``dequantize`` is asked for.
 
 ``metadata_dir`` keeps the config and tokenizer that ``transformers`` builds from a file's
-metadata (half a minute for the default model's 49,152-token vocabulary on a busy 2-core
-machine) in the cache, keyed by the file's path, size and time: later starts read them in
-well under a second.
+metadata (slow for a large vocabulary) in the cache, keyed by the file's path, size and
+time: later starts read them back.
 """
 
 import hashlib

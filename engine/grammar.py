@@ -1,11 +1,11 @@
 """Structured outputs: a grammar per request, applied as a token mask to p and to q.
 
-Library: xgrammar, for the faster next-token mask (about 4x llguidance's on the
-default model's vocabulary): masks are on the hot path (up to k + 1 per request
-per step for verification, k more for a model drafter), while compilation happens
-once per distinct grammar, at the door, behind an LRU cache. xgrammar also rolls a
-matcher back by any number of tokens, which drafted prefixes need. Its cost: pip
-also installs triton, which the CPU build never imports.
+Library: xgrammar, for its next-token mask, faster than llguidance's: masks are on
+the hot path (up to k + 1 per request per step for verification, k more for a model
+drafter), while compilation happens once per distinct grammar, at the door, behind
+an LRU cache. xgrammar also rolls a matcher back by any number of tokens, which
+drafted prefixes need. Its cost: pip also installs triton, which the CPU build never
+imports.
 
 The rule. ``mask(prefix)`` is the set of tokens the grammar allows after the
 committed tokens plus ``prefix``; a stop token (EOS) is in it only where the
@@ -63,11 +63,6 @@ class Grammars:
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int) -> "Grammars":
         return cls(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
-
-    @classmethod
-    def from_vocab(cls, tokens: list[str], stop_ids: list[int]) -> "Grammars":
-        """A vocabulary of plain strings, token id = index (tests on tiny models)."""
-        return cls(xgr.TokenizerInfo(tokens, stop_token_ids=stop_ids))
 
     def compile(self, spec: GuidedDecoding) -> xgr.CompiledGrammar:
         """The compiled grammar; raises ``InvalidParameter`` naming ``spec.param`` and the problem."""

@@ -8,7 +8,7 @@ def freeze_startup_heap() -> None:
     model's modules: about 300,000 with the default model) to the collector's
     permanent generation, as vLLM does after start-up. Call once the engine is
     built: otherwise the collector's full passes rescan them all while serving,
-    which made small allocations (an n-gram index) ten times slower. Objects
+    which makes small allocations (an n-gram index) many times slower. Objects
     created later are collected as usual."""
     gc.collect()
     gc.freeze()

@@ -36,10 +36,10 @@ from engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from engine.spec_decode.cost_tracker import CostTracker, measure_step_costs
 from engine.spec_decode.drafter import Draft, DraftSlot
 from engine.spec_decode.fixed_policy import FixedPolicy
-from engine.spec_decode.policy import Candidate, SpecPolicy, StepCosts, StepPlan
-from engine.spec_decode.registry import build_drafter, drafter_memory
+from engine.spec_decode.policy import Candidate, SpecPolicy, SpecState, StepCosts, StepPlan
+from engine.spec_decode.registry import build_drafter, check_speculative, drafter_memory
 from engine.stats import EngineSnapshot, StepTimes, make_step_stats
-from engine.spec_decode.tree import is_chain, walk
+from engine.tree import is_chain, walk
 from engine.stop import holdback
 from kvcache import KVCacheManager, blocks_needed
 from kvcache.tensors import KVSpec, PagedKV
@@ -52,6 +52,8 @@ class LLMEngine:
         """``model``, ``tokenizer`` and ``drafter`` may be given ready-made (tests);
         by default they are built from ``config``."""
         self.config = config
+        if drafter is None:
+            check_speculative(config.speculative)  # before the target loads
         self.device_choice = choose_device(config.model.device)
         log.log(logging.WARNING if self.device_choice.fell_back else logging.INFO, "device %s: %s",
                 self.device_choice.device, self.device_choice.reason)
@@ -105,7 +107,8 @@ class LLMEngine:
         self._grammars = None  # engine.grammar.Grammars, built at the first structured request
         c_matmul = getattr(getattr(model, "lm_head", None), "kernel", None) is not None  # laid out by prepack
         log.info("engine ready: %d KV blocks of %d tokens on %s (%s, KV cache %s, attention %s); matmul %s%s",
-                 num_blocks, spec.block_size, device, dtype, kv_dtype, attention.name, "by the C kernel (batch invariant)" if c_matmul
+                 num_blocks, spec.block_size, device, dtype, kv_dtype, attention.name,
+                 "by the C kernel (batch invariant)" if c_matmul
                  else f"by torch, inputs padded to {getattr(model, 'min_rows', 1)} rows",
                  ", each decoder layer in one C call" if getattr(model, "fused", None) else "")
 
@@ -161,9 +164,13 @@ class LLMEngine:
         self._grammars = value
 
     def spec_summary(self, request_id: str) -> dict:
-        """The request's speculation record (empty without speculation)."""
-        st = self.policy.states.get(request_id) if self.policy else None
-        return st.summary() if st else {}
+        """The request's speculation record: zero counts for a request that drew no drafts (opted
+        out, finished at its prefill), so that every reply of a speculating engine carries one;
+        empty without speculation."""
+        if self.policy is None:
+            return {}
+        st = self.policy.states.get(request_id)
+        return (st or SpecState()).summary()
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.requests.get(request_id)
@@ -296,7 +303,7 @@ class LLMEngine:
             return {}
         try:
             return self._drafts(slots)
-        except Exception:  # noqa: BLE001 - isolated below
+        except Exception:  # isolated below
             log.exception("drafter failed for %d requests; drafting them one by one", len(slots))
         self.step_fallbacks = 1
         drafts = {}
@@ -304,7 +311,7 @@ class LLMEngine:
             self.drafter.rollback(s.request)
             try:
                 drafts.update(self._drafts([s]))
-            except Exception:  # noqa: BLE001 - speculation is an optimization: decode plainly instead
+            except Exception:  # speculation is an optimization: decode plainly instead
                 log.exception("drafter failed; request %s decodes without drafts this step", s.request.request_id)
                 self.drafter.free(s.request.request_id)  # its caches may be half-written
         return drafts
@@ -321,7 +328,7 @@ class LLMEngine:
             if self.fault_hook:
                 self.fault_hook("drafter", [request.request_id])
             return self.drafter.context_class(request)
-        except Exception:  # noqa: BLE001 - speculation is an optimization: decode plainly instead
+        except Exception:  # speculation is an optimization: decode plainly instead
             log.exception("drafter failed; request %s decodes without drafts this step", request.request_id)
             self.step_fallbacks = 1
             self.drafter.free(request.request_id)
@@ -346,7 +353,7 @@ class LLMEngine:
         only the requests that fail by themselves end (with an error)."""
         try:
             return self.runner.execute(scheduled, drafts, masks), []
-        except Exception:  # noqa: BLE001 - isolated below
+        except Exception:  # isolated below
             log.exception("step of %d requests failed; retrying them one by one", len(scheduled.scheduled))
         merged, failed = RunnerOutput({}), []
         for s in scheduled.scheduled:
@@ -385,7 +392,7 @@ class LLMEngine:
                 stats = make_step_stats(self, scheduled, result, touched, times)
                 for logger in self.stat_loggers:
                     logger(stats)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("step stats failed; this step is missing from the metrics")
 
     def _delta(self, req: Request) -> RequestOutput:

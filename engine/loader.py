@@ -115,9 +115,9 @@ def _block_weights(model: nn.Module) -> set[int]:
 def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device, skip=()) -> None:
     """Gives each parameter still on ``meta`` memory on ``device``, in ``dtype`` when it is
     a floating-point one (tied parameters stay tied), filled with NaN until the checkpoint
-    fills it (``check_filled``), except those in ``skip`` (ids: left on meta); moves every buffer (computed tables, ``rotary.table_device``)
-    to ``device``. So loading holds the weights in the serving dtype only: never a float32
-    copy of them, which would double a bf16 model's peak."""
+    fills it (``check_filled``), except those in ``skip`` (ids: left on meta); moves every buffer
+    (computed tables, ``rotary.table_device``) to ``device``. So loading holds the weights in the
+    serving dtype only: never a float32 copy of them, which would double a bf16 model's peak."""
     made: dict[int, nn.Parameter] = {}
     for m in module.modules():
         for name, p in m._parameters.items():

@@ -18,7 +18,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, **kwargs):
         if config is None:
-            model_kw = {k: kwargs.pop(k) for k in ("dtype", "device", "max_model_len", "seed", "num_threads", "quantization") if k in kwargs}
+            model_kw = {k: kwargs.pop(k) for k in ("dtype", "device", "max_model_len", "seed", "num_threads", "quantization")
+                        if k in kwargs}
             cache_kw = {k: kwargs.pop(k) for k in ("block_size", "num_blocks", "enable_prefix_caching", "kv_cache_dtype")
                         if k in kwargs}
             sched_kw = {k: kwargs.pop(k) for k in ("max_num_seqs", "max_num_batched_tokens") if k in kwargs}

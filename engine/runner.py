@@ -13,7 +13,7 @@ being the target's distribution after the first ``i`` drafts::
     tokens fed:  t_last  d1  d2  d3        (k = 3)
     logit row:   0       1   2   3         row i predicts the token after d_i
 
-A draft may be a token tree (``engine.spec_decode.tree``): the ``k`` nodes are fed in node
+A draft may be a token tree (``engine.tree``): the ``k`` nodes are fed in node
 order, each at position ``context_len + 1 + depth`` and attending to the
 prefix and its own ancestors (``SeqSpec.parents``); row ``i + 1`` is the
 target's distribution after node ``i``'s branch. After verification the
@@ -58,7 +58,7 @@ from engine.sampler import (
 )
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
-from engine.spec_decode import tree
+from engine import tree
 from engine.spec_decode.drafter import Draft
 from engine.spec_decode.verify import Verified, greedy_rule, verify
 from engine.transfer import to_device
@@ -149,7 +149,8 @@ class ModelRunner:
         """The step's new requests and per-request changes (idempotent: see the module doc)."""
         for n in out.new_requests:
             if n.request_id not in self.requests:
-                self.requests[n.request_id] = RequestState(n.request_id, n.params, len(n.prompt_token_ids), list(n.prompt_token_ids))
+                ids = list(n.prompt_token_ids)
+                self.requests[n.request_id] = RequestState(n.request_id, n.params, len(ids), ids)
         for s in out.scheduled:
             st = self.requests[s.request_id]
             del st.block_table[s.block_start :]

@@ -69,7 +69,8 @@ def build_sampling_batch(
     if any(p.min_p > 0 for p in params):
         min_p = f([p.min_p for p in params])
     if any(p.has_penalties for p in params):
-        penalties = tuple(f([getattr(p, a) for p in params]) for a in ("presence_penalty", "frequency_penalty", "repetition_penalty"))
+        names = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+        penalties = tuple(f([getattr(p, a) for p in params]) for a in names)
         counts, seen = _token_counts(requests, drafted or [()] * len(requests), vocab_size, device)
     if any(p.logit_bias for p in params):
         entries = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items() if t < vocab_size]

@@ -57,7 +57,6 @@ class SamplingParams:
     skip_special_tokens: bool = True
     speculate: bool = True  # per-request opt-out of speculative decoding
     guided: GuidedDecoding | None = None  # structured output: the grammar the output follows
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()))

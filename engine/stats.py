@@ -73,7 +73,8 @@ def make_step_stats(engine, scheduled, result, touched, times: StepTimes) -> Ste
         first_token_times=tuple(
             (r.first_scheduled_time - r.arrival_time, r.first_token_time - r.first_scheduled_time)
             for r in touched
-            if r.num_output_tokens == len(result.sampled.get(r.request_id, ())) and r.first_scheduled_time and r.first_token_time is not None
+            if r.num_output_tokens == len(result.sampled.get(r.request_id, ()))
+            and r.first_scheduled_time and r.first_token_time is not None
         ),
         spec=spec,
     )

@@ -10,7 +10,7 @@ BLAKE2b (32-byte digest) over the token ids as little-endian int64. Not
 Python's ``hash(tuple)``: that is 64 bits with no collision resistance, and a
 collision here silently serves another prompt's KV (vLLM moved to SHA-256 for
 the same reason); BLAKE2b is in the standard library, stable across processes
-and releases, and costs about a microsecond per block, once per full block.
+and releases, and cheap beside a step (once per full block).
 """
 
 import hashlib

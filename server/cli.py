@@ -50,9 +50,20 @@ def _serve(args) -> int:
     try:
         settings = ServerSettings(**flags)
     except ValidationError as e:
-        print(f"specserve serve: invalid settings:\n{e}", file=sys.stderr)
+        for line in _settings_errors(e):
+            print(f"specserve serve: error: {line}", file=sys.stderr)
         return 2
     return run_server(settings)
+
+
+def _settings_errors(error: ValidationError) -> list[str]:
+    """One line per invalid setting, named by its flag: ``--port: Input should be less than 65536``."""
+    lines = []
+    for err in error.errors():
+        msg = err["msg"].removeprefix("Value error, ")
+        flag = "--" + str(err["loc"][0]).replace("_", "-") if err["loc"] else ""
+        lines.append(f"{flag}: {msg}" if flag else msg)
+    return lines
 
 
 def _json_object(text: str) -> dict:

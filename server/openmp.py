@@ -9,8 +9,7 @@ an OpenMP thread the whole region waits for it. Intel's OpenMP (libiomp5, the
 PyTorch's GNU OpenMP calls as well. vLLM's CPU build asks its users to preload
 it by hand (``LD_PRELOAD``); here the command line does it: ``ensure()`` re-runs
 the current command once with the library preloaded, before anything has
-imported torch. On a 2-core machine that is worth about a third more tokens/s through
-the HTTP API.
+imported torch (docs/cpu.md says what it is worth).
 
 ``SPECSERVE_OPENMP=gnu`` keeps GNU OpenMP (the re-run is skipped); it is also
 skipped where the library is missing (the wheel exists for x86-64 Linux only)

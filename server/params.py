@@ -1,10 +1,12 @@
-"""Protocol request -> engine ``SamplingParams``, and the request-level checks.
+"""Protocol request -> the engine ``SamplingParams`` of each of its choices, in one pass.
 
-Value ranges are the engine's (``SamplingParams.__post_init__`` raises
-``InvalidParameter`` naming the field); this module adds what only a request
-has: n and its limit, OpenAI's null-means-default, the fields we refuse, and
-the structured-output fields turned into one ``GuidedDecoding`` (whose grammar
-the engine compiles at the door: an invalid schema or regex is a 400 there).
+``choice_params`` reads a request once: its n and the server's limit, the fields we
+refuse, the request-level rules (no ``prompt_logprobs`` in a stream, one grammar at
+most), then the values. Value ranges are the engine's (``SamplingParams.__post_init__``
+raises ``InvalidParameter`` naming the field); this module adds what only a request
+has: n, OpenAI's null-means-default, the fields we refuse, and the structured-output
+fields turned into one ``GuidedDecoding`` (whose grammar the engine compiles at the
+door: an invalid schema or regex is a 400 there).
 """
 
 import dataclasses
@@ -20,11 +22,28 @@ def unsupported(param: str, why: str = "") -> APIError:
     return bad_request(f"'{param}' is not supported by this server{why}", param=param, code="unsupported_parameter")
 
 
-def check_n(n: int | None, max_n: int) -> int:
-    n = 1 if n is None else n
+def choice_params(
+    req: SamplingRequest, *, max_n: int, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+    tool_guided: GuidedDecoding | None = None, defaults: dict | None = None,
+) -> list[SamplingParams]:
+    """The engine parameters of each of the request's n choices (with a seed, choice i gets
+    seed + i: the choices differ but stay reproducible); a 400 ``APIError`` naming the first
+    bad field. ``tool_guided``: the grammar a chat's ``tool_choice`` asks for. ``defaults``:
+    what an unset temperature, top_p, top_k, min_p or repetition_penalty takes (the
+    checkpoint's generation config), else OpenAI's defaults."""
+    n = 1 if req.n is None else req.n
     if not 1 <= n <= max_n:
         raise bad_request(f"n must be between 1 and {max_n}, got {n}", param="n")
-    return n
+    if getattr(req, "suffix", None) is not None:  # legacy completions' fields
+        raise unsupported("suffix")
+    if getattr(req, "best_of", None) not in (None, n):
+        raise unsupported("best_of", " (other than best_of == n)")
+    if req.prompt_logprobs is not None and req.stream:  # vLLM's rule: they come in the whole response
+        raise bad_request("prompt_logprobs are not available with stream=true", param="prompt_logprobs")
+    params = _build(req, max_tokens, logprobs, prompt_logprobs, _guided(req, tool_guided), defaults or {})
+    if params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -41,14 +60,9 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return {int(k): float(v) for k, v in bias.items()}
 
 
-def build_params(
-    req: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
-    guided: GuidedDecoding | None = None, defaults: dict | None = None,
-) -> SamplingParams:
-    """The engine parameters of one choice; raises a 400 ``APIError`` naming the bad field.
-    ``defaults``: what an unset temperature, top_p, top_k, min_p or repetition_penalty takes
-    (the checkpoint's generation config), else OpenAI's defaults."""
-    d = defaults or {}
+def _build(req: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
+           guided: GuidedDecoding | None, defaults: dict) -> SamplingParams:
+    d = defaults
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -75,14 +89,17 @@ def build_params(
         raise bad_request(str(e), param=e.param) from None
 
 
-def guided_decoding(req: SamplingRequest) -> GuidedDecoding | None:
-    """The grammar asked by ``response_format`` (chat) or vLLM's ``guided_json`` /
+def _guided(req: SamplingRequest, tool_guided: GuidedDecoding | None) -> GuidedDecoding | None:
+    """The grammar asked by ``tool_choice``, ``response_format`` (chat) or vLLM's ``guided_json`` /
     ``guided_regex`` / ``guided_choice`` / ``guided_grammar``; at most one of them. Shapes only: the
     grammar itself is checked when the engine compiles it."""
     found = [g for g in (_response_format(getattr(req, "response_format", None)), _vllm_guided(req)) if g]
     if len(found) > 1:
         raise bad_request("response_format and guided_* cannot be combined", param="response_format")
-    return found[0] if found else None
+    if tool_guided is not None and found:
+        raise bad_request("tool_choice 'required' or a named function cannot be combined with "
+                          "response_format or guided_*", param="tool_choice")
+    return tool_guided or (found[0] if found else None)
 
 
 def _response_format(fmt: dict[str, Any] | None) -> GuidedDecoding | None:
@@ -132,18 +149,5 @@ def _vllm_guided(req: SamplingRequest) -> GuidedDecoding | None:
     return None
 
 
-def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """n copies; with a seed, choice i gets seed + i so the choices differ but stay reproducible."""
-    if params.seed is None:
-        return [params] * n
-    return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
-
-
 def _or(value, default):
     return default if value is None else value
-
-
-def check_prompt_logprobs(req: SamplingRequest) -> None:
-    """vLLM's rule: ``prompt_logprobs`` come in the whole response, never in a stream."""
-    if req.prompt_logprobs is not None and req.stream:
-        raise bad_request("prompt_logprobs are not available with stream=true", param="prompt_logprobs")

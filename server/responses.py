@@ -104,7 +104,7 @@ async def _events(gen: Generation, render, tail) -> AsyncIterator[str]:
         return
     except APIError as e:
         yield sse_error(e)
-    except Exception:  # noqa: BLE001 - mid-stream: report it as an event, never drop the connection
+    except Exception:  # mid-stream: report it as an event, never drop the connection
         log.exception("stream failed")
         yield sse_error(APIError(500, "internal server error", code="internal_error"))
     finally:

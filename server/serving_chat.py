@@ -35,7 +35,7 @@ from api.protocol import (
 from api.sse import sse_chunk
 from engine.outputs import RequestOutput
 from server.logprobs import TokenDecoder, chat_logprobs, vllm_prompt_logprobs
-from server.params import build_params, check_n, check_prompt_logprobs, guided_decoding, per_choice, unsupported
+from server.params import choice_params, unsupported
 from server.responses import ChoiceResult, respond
 from server.serving import ServingEngine
 from server.tool_calls import CallStream
@@ -49,20 +49,16 @@ class ChatServing:
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model = self.serving.check_model(req.model)
-        n = check_n(req.n, self.serving.settings.max_n)
-        check_prompt_logprobs(req)
         tools = request_tools(req)
-        guided = guided_decoding(req)
-        if tools is not None and tools.guided is not None:
-            if guided is not None:
-                raise bad_request("tool_choice 'required' or a named function cannot be combined with "
-                                  "response_format or guided_*", param="tool_choice")
-            guided = tools.guided
         ids = self._prompt_ids(req.messages, tools)
-        params = build_params(req, self._max_tokens(req, len(ids)), _engine_logprobs(req), req.prompt_logprobs, guided,
-                              self.serving.sampling_defaults)
+        params = choice_params(
+            req, max_n=self.serving.settings.max_n, max_tokens=self._max_tokens(req, len(ids)),
+            logprobs=_engine_logprobs(req), prompt_logprobs=req.prompt_logprobs,
+            tool_guided=tools.guided if tools is not None else None, defaults=self.serving.sampling_defaults,
+        )
+        n = len(params)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = await self.serving.submit(cid, [(ids, p) for p in per_choice(params, n)])
+        gen = await self.serving.submit(cid, [(ids, p) for p in params])
         gen.watch_disconnect(raw.receive)
         view = _View(cid, model, n, len(ids), self.decode, bool(req.logprobs), req.prompt_logprobs,
                      req.include_usage, tools)

@@ -29,7 +29,7 @@ from api.protocol import (
 from api.sse import sse_chunk
 from engine.outputs import RequestOutput
 from server.logprobs import TokenDecoder, completion_logprobs, echo_logprobs, vllm_prompt_logprobs
-from server.params import build_params, check_n, check_prompt_logprobs, guided_decoding, per_choice, unsupported
+from server.params import choice_params
 from server.responses import ChoiceResult, respond
 from server.serving import ServingEngine
 
@@ -43,16 +43,14 @@ class CompletionServing:
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         model = self.serving.check_model(req.model)
-        n = check_n(req.n, self.serving.settings.max_n)
-        _refuse_unsupported(req, n)
-        check_prompt_logprobs(req)
-        prompts = self._prompt_ids(req.prompt)
-        max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         scored = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
-        params = build_params(req, max_tokens, req.logprobs, max(scored) if scored else None,
-                              guided_decoding(req), self.serving.sampling_defaults)
+        max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        params = choice_params(req, max_n=self.serving.settings.max_n, max_tokens=max_tokens, logprobs=req.logprobs,
+                               prompt_logprobs=max(scored) if scored else None, defaults=self.serving.sampling_defaults)
+        n = len(params)
+        prompts = self._prompt_ids(req.prompt)
         cid = f"cmpl-{uuid.uuid4().hex}"
-        gen = await self.serving.submit(cid, [(ids, p) for ids in prompts for p in per_choice(params, n)])
+        gen = await self.serving.submit(cid, [(ids, p) for ids in prompts for p in params])
         gen.watch_disconnect(raw.receive)
         echo = [self._prompt_text(req.prompt, i, ids) for i, ids in enumerate(prompts)] if req.echo else None
         view = _View(cid, model, n, prompts, echo, self.decode, req.logprobs, req.prompt_logprobs, req.include_usage)
@@ -74,13 +72,6 @@ class CompletionServing:
         if isinstance(prompt, list) and prompt and isinstance(prompt[index], str):
             return prompt[index]
         return self.serving.tokenizer.decode(ids)
-
-
-def _refuse_unsupported(req: CompletionRequest, n: int) -> None:
-    if req.suffix is not None:
-        raise unsupported("suffix")
-    if req.best_of is not None and req.best_of != n:
-        raise unsupported("best_of", " (other than best_of == n)")
 
 
 class _View:

@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from engine.model_store import DEFAULT_MODEL_NAME
+from engine.spec_decode.registry import DRAFTERS, check_speculative
 
 
 class ServerSettings(BaseSettings):
@@ -47,8 +48,8 @@ class ServerSettings(BaseSettings):
     )
     speculative_config: dict | None = Field(
         None,
-        description='speculative decoding, as JSON: {"method": "ngram" | "draft_model" | "early_exit", '
-        '"num_speculative_tokens": k, ...}; see README',
+        description='speculative decoding, as JSON: {"method": ' + " | ".join(f'"{m}"' for m in DRAFTERS)
+        + ', "num_speculative_tokens": k, "model": path (draft and head methods), ...}; see docs/speculation.md',
     )
     tensor_parallel_size: int = Field(
         1, ge=1, description="processes the model is split across (gloo on the CPU, NCCL on GPUs; see docs/parallelism.md)"
@@ -134,7 +135,11 @@ class ServerSettings(BaseSettings):
     @field_validator("speculative_config")
     @classmethod
     def _check_speculative(cls, v):
-        SpeculativeConfig.from_dict(v)  # raises ValueError with the offending keys
+        """Unknown keys, bad values, an unknown method, a missing draft or head path: ValueError."""
+        try:
+            check_speculative(SpeculativeConfig.from_dict(v))
+        except TypeError as e:  # a value of the wrong type, e.g. "num_speculative_tokens": "4"
+            raise ValueError(f"a speculative-config value has the wrong type: {e}") from None
         return v
 
     @model_validator(mode="after")

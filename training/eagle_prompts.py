@@ -138,7 +138,8 @@ def reasoning_prompts(n: int) -> list[str]:
         lambda a, b, c: f"A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?",
         lambda a, b, c: f"If {a} workers finish a job in {b} days, how long would {a + c} workers take?",
         lambda a, b, c: f"What is {a}% of {b * 10}? Show your reasoning.",
-        lambda a, b, c: f"A train travels {a * 10} km in {b} hours. What is its average speed, and how far does it go in {c} hours?",
+        lambda a, b, c: (f"A train travels {a * 10} km in {b} hours. What is its average speed, and how far does it go "
+                         f"in {c} hours?"),
         lambda a, b, c: f"Find the derivative of f(x) = {a}x^{b % 5 + 2} + {c}x.",
         lambda a, b, c: "{} is {} cm taller than {}, and {} is {} cm taller than {}. Who is the shortest, and "
                         "how much taller is the tallest than the shortest?".format(*_names_and_heights(a, b, c)),

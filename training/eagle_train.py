@@ -318,7 +318,7 @@ def has_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), where oneDNN's
     bfloat16 matmuls make a training step several times faster than float32. Elsewhere
     autocast would emulate them, slower than float32."""
-    from engine.layers.cpu_kernels import cpu_flags
+    from engine.devices import cpu_flags
 
     flags = cpu_flags().split()
     return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from engine.attention.metadata import MAX_BATCHED_QUERY, SeqSpec, tree_mask, window_binds, window_mask
-from engine.spec_decode.tree import depths
+from engine.tree import depths
 from engine.transfer import to_device
 from kvcache.manager import slot_mapping
 

@@ -24,7 +24,6 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -33,21 +32,14 @@ from pathlib import Path
 
 import torch
 
+from engine.devices import cpu_flags
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("cpu_kernels.c", "matmul.c", "attention.c", "attention_bf16.c", "moe.c")  # in CSRC, with its headers
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 AVX512 = ("-mavx512f",)  # added where the CPU has it, unless SPECSERVE_CPU_AVX512=0
-
-
-def cpu_flags() -> str:
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return ""
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
 
 
 def _cpu_supports() -> bool:

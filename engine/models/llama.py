@@ -12,7 +12,6 @@ slots they read and write.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
@@ -26,6 +25,7 @@ from engine.layers.linear import (
     VocabParallelEmbedding,
     calibrate_min_rows,
 )
+from engine.layers.mlp import LlamaMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.arch import Arch, head_dim_of, llama_arch
@@ -89,30 +89,6 @@ class ShardedRMSNorm(nn.Module):
         """x [T, part] -> x / rms over the full features * weight, in x's dtype."""
         squares = self.tp.all_reduce(x.float().pow(2).sum(-1, keepdim=True))  # [T, 1]
         return self.weight * (x.float() * torch.rsqrt(squares / self.full + self.eps)).to(x.dtype)
-
-
-class LlamaMLP(nn.Module):
-    """The gated MLP: down(act(gate(x)) * up(x)). ``reduce=False`` leaves the tensor-parallel
-    sum to the caller (an expert of ``SparseMoE``)."""
-
-    def __init__(self, hidden: int, intermediate: int, tp: TPGroup, activation: str = "silu", bias: bool = False,
-                 reduce: bool = True):
-        super().__init__()
-        if activation not in ("silu", "gelu_tanh"):
-            raise ValueError(f"MLP activation {activation!r} is not supported (silu, gelu_tanh)")
-        part = tp.split(intermediate, "intermediate_size")  # this rank's (first unit, units)
-        self.activation = activation
-        self.gate_up_proj = ColumnParallelLinear(hidden, None, tp, parts=[part, part], bias=bias,
-                                                 full_sizes=[intermediate, intermediate])
-        self.down_proj = RowParallelLinear(intermediate, hidden, tp, part, bias=bias, reduce=reduce)
-
-    def forward(self, x):
-        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        if self.activation == "silu" and cpu_kernels.usable(gate_up):
-            return self.down_proj(cpu_kernels.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
-        return self.down_proj(act * up)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -27,6 +27,7 @@ from torch import nn
 
 from engine.layers import cpu_kernels
 from engine.layers.linear import ReplicatedLinear
+from engine.layers.mlp import LlamaMLP  # the experts are the dense MLP, summed by this module
 from engine.models.arch import Arch, MoESpec, llama_arch
 from engine.parallel import TPGroup
 
@@ -38,8 +39,6 @@ class SparseMoE(nn.Module):
 
     def __init__(self, arch: Arch, tp: TPGroup):
         super().__init__()
-        from engine.models.llama import LlamaMLP  # the experts are the dense MLP, summed by this module
-
         spec = arch.moe
         self.spec, self.tp = spec, tp
         self.gate = ReplicatedLinear(arch.hidden_size, spec.num_experts)  # the router
@@ -89,7 +88,7 @@ class SparseMoE(nn.Module):
                 out_rows[start : start + n] = expert(rows[start : start + n])
                 start += n
         # Back to token order ([T, k, hidden]), then each token's k rows weighted and summed in
-        # rank order (index_add_ would scatter-add: ~5 ms a call on the CPU, and in no fixed order).
+        # rank order (index_add_ would scatter-add: slow on the CPU, and in no fixed order).
         pairs = out_rows.index_select(0, torch.argsort(order)).view(t, k, -1)
         out = (pairs * weights.unsqueeze(-1)).sum(dim=1)  # [T, hidden]
         if hasattr(self, "shared_expert"):

@@ -4,10 +4,11 @@
 - ``registry``: the one mapping from a method name to its drafter's factory;
 - ``policy``: how many drafts each request verifies in a step (``SpecPolicy``);
 - ``cost_tracker``: the step-cost table ``T(R)`` the policy prices drafts with;
-- ``tree``: token trees as parent lists (mask, positions, paths, walks);
 - ``tree_policy``: which tree shape a round verifies;
 - ``rejection_sampler``, ``tree_sampler``: verification of chains and trees.
 
 Concrete drafters live in the top-level ``drafters`` package and import these
 modules; nothing here imports a concrete drafter except the registry, lazily.
+Token trees as plain data (``engine.tree``) sit below this package: the attention
+backends build tree masks from them too.
 """

@@ -79,8 +79,9 @@ import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from engine.spec_decode import tree, tree_policy
+from engine import tree
 from engine.config import SpeculativeConfig
+from engine.spec_decode import tree_policy
 from engine.spec_decode.batch_pause import BatchPauses
 
 PRIOR_ACCEPTANCE = 0.5  # acceptance assumed before a request has any history
@@ -396,7 +397,7 @@ class SpecPolicy:
                outcomes=None) -> None:
         """After verification of a request that ran with ``decision``: ``num_accepted``
         of ``num_draft_tokens`` drafts were kept; ``outcomes``: for a token tree, what was
-        tried per depth (``engine.spec_decode.tree.walk``). The only place a request's record changes."""
+        tried per depth (``engine.tree.walk``). The only place a request's record changes."""
         st = self.states.get(request_id)
         if st is None:
             st = self.states[request_id] = SpecState(isolated=decision.isolated)

@@ -9,9 +9,12 @@ target model, tokenizer, device, dtype and cache sizing (see ``LLMEngine``).
 """
 
 import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from engine.gpu_memory import DrafterMemory
-from engine.spec_decode.drafter import Drafter
+if TYPE_CHECKING:  # plain data at import: the command line reads DRAFTERS before torch loads
+    from engine.gpu_memory import DrafterMemory
+    from engine.spec_decode.drafter import Drafter
 
 DRAFTERS: dict[str, str] = {
     "ngram": "drafters.ngram:build",
@@ -23,11 +26,33 @@ DRAFTERS: dict[str, str] = {
     "ngram+eagle3": "drafters.combined:build_ngram_eagle3",
 }
 
+# The methods whose drafter loads weights from the config's ``model`` (a draft model or an EAGLE head).
+NEEDS_MODEL = frozenset({"draft_model", "eagle", "eagle3", "ngram+eagle", "ngram+eagle3"})
 
-def drafter_memory(spec_config, **context) -> DrafterMemory:
+
+def check_speculative(spec_config) -> None:
+    """ValueError, in one line, for a config no drafter can be built from: an unknown method, or
+    a method that loads weights without ``model`` or with a path that does not exist. Asked at
+    the door (settings, ``LLMEngine``), before the target loads: a typo costs no model load."""
+    method = spec_config.method
+    if method is None:
+        return
+    if method not in DRAFTERS:
+        raise ValueError(f"unknown speculative method {method!r}; known: {', '.join(DRAFTERS)}")
+    if method not in NEEDS_MODEL:
+        return
+    if not spec_config.model:
+        raise ValueError(f'speculative method "{method}" needs "model": the local directory or file of its weights')
+    if not Path(spec_config.model).expanduser().exists():
+        raise ValueError(f'speculative "model" {spec_config.model!r} does not exist (models are never downloaded)')
+
+
+def drafter_memory(spec_config, **context) -> "DrafterMemory":
     """What the drafter of ``spec_config.method`` will hold on the GPU (its factory module's
     ``memory_needs``; nothing for drafters without weights or a cache of their own), asked
     before the KV cache is sized. ``context``: dtype, kv_dtype (the KV cache's), block_size."""
+    from engine.gpu_memory import DrafterMemory
+
     target = DRAFTERS.get(spec_config.method)
     if target is None:
         return DrafterMemory()
@@ -35,7 +60,7 @@ def drafter_memory(spec_config, **context) -> DrafterMemory:
     return needs(spec_config, **context) if needs is not None else DrafterMemory()
 
 
-def build_drafter(spec_config, **context) -> Drafter:
+def build_drafter(spec_config, **context) -> "Drafter":
     """The drafter named by ``spec_config.method``; ``context`` offers the target
     model, device, dtype, cache sizing, ... to factories that need them."""
     target = DRAFTERS.get(spec_config.method)

@@ -65,7 +65,7 @@ def _first_rejection(accept: torch.Tensor, meta: VerifyMetadata) -> torch.Tensor
 
 def _assemble(meta: VerifyMetadata, num_accepted: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
     """[n, K + 1]: the accepted drafts, the extra token, PLACEHOLDER padding."""
-    n, k_max = meta.num_requests, meta.max_num_draft_tokens
+    k_max = meta.max_num_draft_tokens
     start = meta.draft_starts  # [n]
     pos = torch.arange(k_max + 1, device=extra.device).unsqueeze(0)  # [1, K + 1]
     src = (start.unsqueeze(1) + pos).clamp(max=max(len(meta.draft_token_ids) - 1, 0))  # [n, K + 1]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.spec_decode import tree
+from engine import tree
 from engine.spec_decode.drafter import Draft
 from engine.spec_decode.metadata import build_verify_metadata
 from engine.spec_decode.rejection_sampler import rejection_sample

@@ -67,7 +67,8 @@ def exposition() -> str:
 
 def families(text: str) -> dict[str, tuple[str, frozenset[str]]]:
     """Family name -> (type, label names) of an exposition."""
-    return {f.name: (f.type, frozenset(label for s in f.samples for label in s.labels)) for f in text_string_to_metric_families(text)}
+    families = text_string_to_metric_families(text)
+    return {f.name: (f.type, frozenset(label for s in f.samples for label in s.labels)) for f in families}
 
 
 def input_series(text: str) -> list[dict]:

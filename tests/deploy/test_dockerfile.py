@@ -30,7 +30,8 @@ def test_every_hadolint_ignore_says_why():
     for i, line in enumerate(lines):
         if "hadolint ignore=" in line:
             before = lines[i - 1].strip() if i else ""
-            assert before.startswith("#") and "hadolint ignore" not in before, f"line {i + 1}: explain the ignore in a comment above it"
+            assert before.startswith("#") and "hadolint ignore" not in before, \
+                f"line {i + 1}: explain the ignore in a comment above it"
 
 
 def test_final_stage_is_a_cuda_runtime_image_running_as_a_user():
@@ -76,7 +77,8 @@ def dockerignored(path: str) -> bool:
             continue
         negate = pattern.startswith("!")
         pattern = pattern.lstrip("!").strip("/")
-        regex = re.escape(pattern).replace(r"\*\*/", "(.*/)?").replace(r"\*\*", ".*").replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
+        regex = re.escape(pattern).replace(r"\*\*/", "(.*/)?").replace(r"\*\*", ".*")
+        regex = regex.replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
         parts = path.split("/")
         if any(re.fullmatch(regex, "/".join(parts[:n])) for n in range(1, len(parts) + 1)):
             excluded = not negate

@@ -78,7 +78,8 @@ def test_startup_probe_allows_minutes_to_load_the_model(k8s):
 def test_requests_a_gpu(k8s):
     resources = container(k8s)["resources"]
     assert int(resources["limits"]["nvidia.com/gpu"]) >= 1
-    assert resources["requests"].get("nvidia.com/gpu", resources["limits"]["nvidia.com/gpu"]) == resources["limits"]["nvidia.com/gpu"]
+    gpus = resources["limits"]["nvidia.com/gpu"]
+    assert resources["requests"].get("nvidia.com/gpu", gpus) == gpus
 
 
 def test_runs_as_the_image_user(k8s):

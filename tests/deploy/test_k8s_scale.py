@@ -117,7 +117,8 @@ def test_the_router_watches_the_specserve_pods_with_the_rights_it_is_given():
     args = c["args"]
     selector = dict(kv.split("=") for kv in [args[args.index("--selector") + 1]])
     assert selector.items() <= pod_labels.items()
-    assert flag(args, "--service-discovery-port") == str(base["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"])
+    port = base["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
+    assert flag(args, "--service-discovery-port") == str(port)
     assert "--service-discovery" in args and flag(args, "--policy") == "cache_aware"
     assert ROUTER["Deployment"]["spec"]["template"]["spec"]["serviceAccountName"] == ROUTER["ServiceAccount"]["metadata"]["name"]
     (rule,) = ROUTER["Role"]["rules"]

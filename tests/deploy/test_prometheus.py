@@ -91,8 +91,8 @@ def vllm(labels: dict, **more) -> dict:
 
 
 def info(labels: dict) -> dict:
-    return {"series": gen.SPEC_INFO + "{" + ", ".join(f'{k}="{v}"' for k, v in vllm(labels, method=labels["method"]).items()) + "}",
-            "values": "1+0x10"}
+    series = ", ".join(f'{k}="{v}"' for k, v in vllm(labels, method=labels["method"]).items())
+    return {"series": gen.SPEC_INFO + "{" + series + "}", "values": "1+0x10"}
 
 # Per minute. ngram (k=3): 10 rounds, 30 drafted, 18 accepted (8, 6, 4 by position),
 # so 10 * (1 + 1.8) = 28 generated tokens; draft_model: 5 rounds, 15 drafted, 5 accepted (3, 1, 1).

@@ -57,7 +57,8 @@ def test_masked_attention_lse_with_grouped_heads_and_an_empty_row():
     out, lse = masked_attention_lse(q, k, v, mask, d**-0.5)
     expand = lambda t: t.repeat_interleave(h // kvh, dim=2)  # noqa: E731  head h reads KV head h // group
     for b in range(n):
-        ref, ref_lse = dense_with_lse(q[b], expand(k)[b][None].expand(mq, -1, -1, -1), expand(v)[b][None].expand(mq, -1, -1, -1), mask[b])
+        keys, values = (expand(t)[b][None].expand(mq, -1, -1, -1) for t in (k, v))
+        ref, ref_lse = dense_with_lse(q[b], keys, values, mask[b])
         torch.testing.assert_close(out[b].double(), ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse[b].double(), ref_lse, atol=1e-5, rtol=1e-5)
     assert (out[0, 0] == 0).all() and (lse[0, 0] == float("-inf")).all()

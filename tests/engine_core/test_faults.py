@@ -4,7 +4,7 @@ drafter only turns speculation off for that step."""
 import pytest
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
-from engine.faults import fail_for
+from tests.faults import fail_for
 from engine.llm_engine import LLMEngine
 from tests.conftest import check_no_lost_blocks
 from tests.engine_core.engine_helpers import greedy, run

@@ -12,13 +12,14 @@ from engine.grammar import Grammars
 from engine.llm_engine import _cut_to_grammar
 from engine.sampler import mask_logits
 from engine.sampling_params import GuidedDecoding, InvalidParameter
+from tests.grammars import vocab_grammars
 
 VOCAB = ["a", "b", "c", "<eos>"]
 EOS = 3
 
 
 def grammars() -> Grammars:
-    return Grammars.from_vocab(VOCAB, stop_ids=[EOS])
+    return vocab_grammars(VOCAB, stop_ids=[EOS])
 
 
 def choice(*strings) -> GuidedDecoding:
@@ -70,7 +71,7 @@ def test_a_grammar_is_done_when_complete_and_only_a_stop_token_may_follow():
 
 
 def test_compiled_grammars_are_cached_least_recently_used_first():
-    gs = Grammars.from_vocab(VOCAB, stop_ids=[EOS])
+    gs = vocab_grammars(VOCAB, stop_ids=[EOS])
     gs.cache_size = 2
     first = gs.compile(choice("a"))
     assert gs.compile(choice("a")) is first

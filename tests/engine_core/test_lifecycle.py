@@ -3,7 +3,7 @@ aborted) goes through the one release path, which frees everything the request
 holds: KV blocks, the runner's generator, the drafter's and the policy's state."""
 
 from engine.config import SpeculativeConfig
-from engine.faults import fail_for
+from tests.faults import fail_for
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.conftest import engine_config

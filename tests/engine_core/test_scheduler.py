@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine.request import Request, RequestStatus
+from engine.request import RequestStatus
 from engine.scheduler import RunnerOutput
 from tests.engine_core.scheduler_helpers import (
     EOS,
@@ -35,7 +35,8 @@ def test_prefill_then_decode_counts_and_block_tables():
     assert out.new_requests == () and out.scheduled[1].new_block_ids == ()  # b: 4 tokens fit in one block of 4
     out = step(sched)
     b_block = sched.kv.block_table("b")[1]
-    assert (out.scheduled[1].block_start, out.scheduled[1].new_block_ids) == (1, (b_block,))  # b's 5th token opens its second block
+    # b's 5th token opens its second block
+    assert (out.scheduled[1].block_start, out.scheduled[1].new_block_ids) == (1, (b_block,))
     for r in (a, b):
         sched.finish(r, "abort")
     assert_all_free(sched)

@@ -41,7 +41,7 @@ def test_auto_picks_flash_attn_or_the_fallback():
 
 
 def test_kv_cache_sized_by_gpu_memory_utilization():
-    from bench.gpu_check import tiny_model
+    from bench.common import tiny_model
     from engine.attention.backends import TORCH_VARLEN
     from engine.gpu_memory import ProfileShape, gpu_kv_blocks, profile_used_bytes
     from kvcache.tensors import KVSpec
@@ -60,7 +60,8 @@ def test_engine_greedy_is_the_same_with_every_backend(name):
     """float32 (bit-stable enough for greedy equality) on a tiny model: plain and ngram chains."""
     from types import SimpleNamespace
 
-    from bench.gpu_check import engine_for, generate, repetitive_prompts, tiny_model
+    from bench.common import repetitive_prompts, tiny_model
+    from bench.gpu_check import engine_for, generate
     from engine.config import SpeculativeConfig
 
     args = SimpleNamespace(device=CUDA)

@@ -153,7 +153,7 @@ class FakeCudaMode(FakeTensorMode):
         tensor takes no CUDA index."""
         self_, indices, *rest = args
         if not isinstance(self_, FakeTensor):
-            raise RuntimeError(f"indices should be either on cpu or on the same device as the indexed tensor (cpu)")
+            raise RuntimeError("indices should be either on cpu or on the same device as the indexed tensor (cpu)")
         moved = [self._to_copy(i, device=CUDA) if isinstance(i, torch.Tensor) and not isinstance(i, FakeTensor) else i
                  for i in indices]
         if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in moved):
@@ -368,7 +368,9 @@ def _setitem(gpu, t, index, v):
 _ON_FAKE = {
     torch.Tensor.__getitem__: _getitem, torch.Tensor.__setitem__: _setitem,
     torch.Tensor.copy_: lambda gpu, t, src, non_blocking=False: aten.copy_.default(t, src, non_blocking),
-    torch.nn.functional.one_hot: _one_hot, torch.Tensor.contiguous: _contiguous, torch.Tensor.__invert__: lambda gpu, t: aten.bitwise_not.default(t), torch.Tensor.nonzero: _nonzero, torch.Tensor.new_tensor: _new_tensor,
+    torch.nn.functional.one_hot: _one_hot, torch.Tensor.contiguous: _contiguous,
+    torch.Tensor.__invert__: lambda gpu, t: aten.bitwise_not.default(t), torch.Tensor.nonzero: _nonzero,
+    torch.Tensor.new_tensor: _new_tensor,
     torch.Tensor.item: _scalar, torch.Tensor.numpy: _numpy,
     torch.Tensor.__bool__: lambda gpu, t: bool(_scalar(gpu, t)), torch.Tensor.__float__: lambda gpu, t: float(_scalar(gpu, t)),
     torch.Tensor.__int__: lambda gpu, t: int(_scalar(gpu, t)), torch.Tensor.__index__: lambda gpu, t: int(_scalar(gpu, t)),

@@ -47,7 +47,7 @@ def _check_inputs(q, k, v, cu_q, cu_k, block_table, paged: bool) -> None:
 
 
 def _check_shapes(q, k, v, cu_q, cu_k, block_table, paged: bool) -> None:
-    batch, (total_q, heads, d) = cu_q.numel() - 1, q.shape
+    batch, (_, heads, d) = cu_q.numel() - 1, q.shape
     heads_k = k.shape[2] if paged else k.shape[1]
     if paged:
         _check(k.shape[1] % 256 == 0, "Paged KV cache block size must be divisible by 256")
@@ -58,7 +58,8 @@ def _check_shapes(q, k, v, cu_q, cu_k, block_table, paged: bool) -> None:
     kv_shape = (k.shape[0], k.shape[1], heads_k, d) if paged else (k.shape[0], heads_k, d)
     _check(k.shape == kv_shape and v.shape == kv_shape, f"k and v must have shape {kv_shape}")
     if paged:
-        _check(block_table.dim() == 2 and block_table.shape[0] == batch, "block_table must have shape (batch_size, max_num_blocks_per_seq)")
+        _check(block_table.dim() == 2 and block_table.shape[0] == batch,
+               "block_table must have shape (batch_size, max_num_blocks_per_seq)")
     _check(cu_q.shape == (batch + 1,), "cu_seqlens_q must have shape (batch_size + 1)")
     _check(cu_k.shape == (batch + 1,), "cu_seqlens_k must have shape (batch_size + 1)")
 

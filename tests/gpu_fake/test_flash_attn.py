@@ -74,7 +74,8 @@ BAD = {  # what mha_varlen_fwd refuses, and its message
     "float32": (lambda a: a.update(q=a["q"].float(), k=a["k"].float(), v=a["v"].float()), "only support fp16 and bf16"),
     "int64 cu_seqlens": (lambda a: a.update(cu_seqlens_k=a["cu_seqlens_k"].long()), "cu_seqlens_k must have dtype int32"),
     "int64 block_table": (lambda a: a.update(block_table=a["block_table"].long()), "block_table must have dtype torch.int32"),
-    "strided block_table": (lambda a: a.update(block_table=torch.tensor([[1, 9], [0, 9]], dtype=torch.int32, device=CUDA).t()[:1]),
+    "strided block_table": (lambda a: a.update(block_table=torch.tensor([[1, 9], [0, 9]], dtype=torch.int32,
+                                                                        device=CUDA).t()[:1]),
                             "block_table must have contiguous last dimension"),
     "pages of 16": (lambda a: a.update(k=a["k"].reshape(32, 16, 2, 64), v=a["v"].reshape(32, 16, 2, 64)),
                     "divisible by 256"),
@@ -133,7 +134,8 @@ def test_tree_split_and_merge_match_flex_attention(kernel):
     against FlexAttention over the whole mask: outputs and log-sum-exps."""
     parents = (-1, 0, 0, 1, 1, 2, -1)
     cases = [(37, len(parents), parents), (0, 3, (-1, 0, 0))]
-    backend, dtype, device = (TORCH_VARLEN, torch.float32, "cpu") if kernel == "torch_varlen" else (FLASH_ATTN, torch.bfloat16, CUDA)
+    torch_varlen = kernel == "torch_varlen"
+    backend, dtype, device = (TORCH_VARLEN, torch.float32, "cpu") if torch_varlen else (FLASH_ATTN, torch.bfloat16, CUDA)
     with fake_cuda(), real_flash_attn():
         pb = make_problem(cases, block_size=backend.block_size(16), dtype=dtype, device=device, num_heads=4,
                           num_kv_heads=2, head_dim=16)

@@ -64,7 +64,7 @@ def test_host_to_device_copies_are_asynchronous_only_from_pinned_memory():
 
 
 def test_memory_is_what_live_cuda_tensors_hold():
-    with fake_cuda(total_bytes=1 << 30) as gpu:
+    with fake_cuda(total_bytes=1 << 30):
         x = torch.empty(1 << 20, dtype=torch.bfloat16, device="cuda")
         assert torch.cuda.memory_allocated() == 2 << 20
         view = x[: 1 << 10]  # no new storage

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.faults import InjectedFault
+from tests.faults import InjectedFault
 from tests.reliability.conftest import finish_reason, in_threads, make_engine, stream, stream_text
 from tests.server.conftest import LiveServer, settings, wait_idle
 

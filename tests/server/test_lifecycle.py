@@ -5,9 +5,12 @@ An engine that runs one request at a time makes "waiting" deterministic.
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
+from api.routes import HealthStatus
+from engine.attention.backends import BACKENDS
 from tests.server.conftest import MAX_MODEL_LEN, LiveServer, build_engine, settings, wait_idle
 
 LONG = {"prompt": "Count to one thousand:", "max_tokens": 900, "ignore_eos": True, "stream": True}
@@ -66,10 +69,16 @@ def test_too_many_choices_for_the_queue_is_400(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
+
+
 def test_health_models_version(server):
     with server.http() as http:
         health = http.get("/health").json()
         assert health["status"] == "ok" and health["device"] == "cpu" and "CPU build" in health["device_reason"]
+        assert set(health) == set(HealthStatus.model_fields) and health["attention_backend"] in BACKENDS
+        [documented] = [line for line in DOCS.read_text().splitlines() if line.startswith("| `GET /health`")]
+        assert all(f'"{key}"' in documented for key in health)  # docs/serving.md's route table
         assert http.get("/version").json()["version"]
         models = http.get("/v1/models").json()
     assert models["object"] == "list"

@@ -1,9 +1,17 @@
-"""ServerSettings from flags and SPECSERVE_* variables; the CLI's subcommands."""
+"""ServerSettings from flags and SPECSERVE_* variables; the CLI's subcommands; configuration
+errors refused at the door."""
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 from pydantic import ValidationError
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig, SpeculativeConfig
+from engine.llm_engine import LLMEngine
+from engine.spec_decode.registry import DRAFTERS, NEEDS_MODEL
 from server.cli import build_parser, main
 from server.settings import ServerSettings
 from tests.server.conftest import settings_from
@@ -85,3 +93,53 @@ def test_other_subcommands_are_kept():
     assert parser.parse_args(["fetch-model"]).command == "fetch-model"
     args = parser.parse_args(["generate", "hi", "--max-tokens", "3"])
     assert args.prompt == "hi" and args.max_tokens == 3
+
+
+def test_an_unknown_method_is_refused_before_the_model_loads():
+    """One line on stderr and exit 2, from a real ``specserve serve`` process (it would load the
+    default model, for minutes, if the door let the typo through)."""
+    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--speculative-config", '{"method": "ngramm"}'],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "SPECSERVE_PORT": "0"})
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [
+        "specserve serve: error: --speculative-config: unknown speculative method 'ngramm'; known: "
+        + ", ".join(DRAFTERS)
+    ]
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "eagle3"}, 'speculative method "eagle3" needs "model"'),
+    ({"method": "ngram+eagle"}, 'speculative method "ngram+eagle" needs "model"'),
+    ({"method": "draft_model", "model": "/no/such/draft"}, "speculative \"model\" '/no/such/draft' does not exist"),
+    ({"method": "eagle", "model": "/no/such/head"}, "speculative \"model\" '/no/such/head' does not exist"),
+    ({"method": "ngram", "num_speculative_tokens": "4"}, "wrong type"),
+    ({"method": "ngram", "lookup": 3}, "unknown speculative-config keys ['lookup']"),
+])
+def test_bad_speculative_configs_exit_2_with_one_line(capsys, config, message):
+    assert main(["serve", "--speculative-config", json.dumps(config)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("specserve serve: error: --speculative-config: ") and message in err[0]
+
+
+def test_a_method_with_weights_is_let_through_with_an_existing_path(tmp_path):
+    spec = settings_from(["--speculative-config", json.dumps({"method": "eagle3", "model": str(tmp_path)})])
+    assert spec.engine_config().speculative.model == str(tmp_path)
+
+
+def test_every_method_needing_weights_is_registered():
+    assert NEEDS_MODEL <= set(DRAFTERS)
+
+
+def test_the_engine_checks_the_method_before_loading_the_target():
+    """The target path does not exist either: the speculative config is refused first."""
+    config = EngineConfig(ModelConfig(model="/no/such/model"), speculative=SpeculativeConfig(method="ngramm"))
+    with pytest.raises(ValueError, match="unknown speculative method 'ngramm'"):
+        LLMEngine(config)
+
+
+def test_help_lists_every_method(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert all(f'"{method}"' in help_text for method in DRAFTERS)

@@ -69,9 +69,25 @@ def test_dashboard_queries_return_data_from_this_servers_metrics(server, tmp_pat
 
 
 def test_a_request_can_opt_out_of_speculation(server, spec_engine):
+    """An opted-out request drafts nothing, and its usage says so with zero counts: every reply
+    of a speculating server carries ``spec_decode``."""
     r = server.client().completions.create(
         model="SmolLM2-135M-Instruct", prompt=COPY_PROMPT, max_tokens=16, temperature=0,
         extra_body={"speculative_decoding": False},
     )
     wait_idle(spec_engine)
-    assert "spec_decode" not in (r.usage.model_extra or {})
+    assert r.usage.model_extra["spec_decode"] == {
+        "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "mean_acceptance_length": 1.0,
+    }
+
+
+def test_a_reply_without_decode_steps_carries_zero_spec_usage(server, spec_engine):
+    """max_tokens 1: the token comes from the prefill, no round is drafted; chat and streamed
+    completions carry the zero summary too."""
+    client = server.client()
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert chat.usage.model_extra["spec_decode"]["num_drafts"] == 0
+    chunks = list(client.completions.create(model=MODEL, prompt="hi", max_tokens=1, stream=True,
+                                            stream_options={"include_usage": True}))
+    wait_idle(spec_engine)
+    assert chunks[-1].usage.model_extra["spec_decode"]["num_draft_tokens"] == 0

@@ -90,7 +90,8 @@ ADD = {
         "name": "add",
         "parameters": {
             "type": "object",
-            "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}, "b": {"type": "integer", "minimum": 0, "maximum": 999}},
+            "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                           "b": {"type": "integer", "minimum": 0, "maximum": 999}},
             "required": ["a", "b"],
         },
     },
@@ -121,7 +122,8 @@ def schema_request(i: int, seed: int) -> dict:
     return {
         "model": MODEL,
         "messages": [{"role": "user", "content": PROMPTS[i % 5]}],
-        "response_format": {"type": "json_schema", "json_schema": {"name": f"s{i % 5}", "schema": SCHEMAS[i % 5], "strict": True}},
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": f"s{i % 5}", "schema": SCHEMAS[i % 5], "strict": True}},
         "temperature": 1.0,
         "seed": seed,
         "max_tokens": 120,
@@ -132,7 +134,8 @@ def run_schema_requests(server, num_requests: int) -> list[str]:
     """``num_requests`` sampled chat requests, round-robin over the schemas, sent at once;
     asserts that every answer parses, validates and finished with "stop"."""
     with server.http(timeout=1800) as http, ThreadPoolExecutor(16) as pool:
-        responses = list(pool.map(lambda i: http.post("/v1/chat/completions", json=schema_request(i, 1000 + i)), range(num_requests)))
+        requests = [schema_request(i, 1000 + i) for i in range(num_requests)]
+        responses = list(pool.map(lambda body: http.post("/v1/chat/completions", json=body), requests))
     texts = []
     for i, r in enumerate(responses):
         assert r.status_code == 200, r.text

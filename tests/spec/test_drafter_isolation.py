@@ -8,7 +8,7 @@ import torch
 from drafters.draft_model import ModelDrafter
 from engine import SamplingParams
 from engine.config import SpeculativeConfig
-from engine.faults import InjectedFault
+from tests.faults import InjectedFault
 from engine.llm_engine import LLMEngine
 from tests.conftest import check_no_lost_blocks, engine_config
 

@@ -10,7 +10,7 @@ import torch
 
 from drafters.eagle_head import load_eagle_head
 from engine import SamplingParams
-from engine.spec_decode import tree
+from engine import tree
 from engine.attention import SeqSpec, build_attention_metadata
 from engine.attention.backends import CPU, TORCH
 from engine.layers import cpu_kernels
@@ -48,12 +48,14 @@ def fresh_logits(model, head, context: list[int], branch: list[int]) -> torch.Te
     meta = build_attention_metadata([SeqSpec(0, n, list(range(16)))], 16)
     _, feats = model(torch.tensor(context[:-1]), torch.arange(n), meta, kv, capture=head.feature_layers)
     hkv = PagedKV(KVSpec(1, head.num_kv_heads, head.head_dim, 16, torch.float32), 16, "cpu")
-    ids, hidden, pos = torch.tensor(context[1:]), head.fuse(feats), torch.arange(n)
-    for token in [None, *branch]:
-        if token is not None:
-            ids, hidden, pos = torch.tensor([token]), out, pos[-1:] + 1
+
+    def last_output(ids, hidden, pos):
         meta = build_attention_metadata([SeqSpec(int(pos[0]), len(ids), list(range(16)))], 16)
-        out = head(ids, hidden, pos, meta, hkv)[-1:]
+        return head(ids, hidden, pos, meta, hkv)[-1:]
+
+    out = last_output(torch.tensor(context[1:]), head.fuse(feats), torch.arange(n))  # the context's pairs
+    for i, token in enumerate(branch):  # then each branch token with the head's last output
+        out = last_output(torch.tensor([token]), out, torch.tensor([n + i]))
     return head.draft_logits(out)[0]
 
 

@@ -86,7 +86,8 @@ def test_the_saved_state_resumes_exactly(tmp_path):
         opt.zero_grad()
         ttt_loss(head, feats, batch, probs, steps=2)[0].backward()
         opt.step()
-    _save(tmp_path, head, opt, head.draft_to_target, {"steps": [0, 1], "loss": [1.0, 0.5], "acc": [[0.1], [0.2]], "elapsed_s": 1.0})
+    history = {"steps": [0, 1], "loss": [1.0, 0.5], "acc": [[0.1], [0.2]], "elapsed_s": 1.0}
+    _save(tmp_path, head, opt, head.draft_to_target, history)
     state = _load_state(tmp_path)
     twin = new_head(target, state["draft_ids"])
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=3e-3)

@@ -18,12 +18,12 @@ import torch
 import drafters.draft_model
 import engine.runner
 from engine import SamplingParams
-from engine.grammar import Grammars
 from engine.sampling_params import GuidedDecoding
 from drafters.draft_model import ModelDrafter
 from drafters.ngram import NgramDrafter
 from tests.spec.bigram import BigramLM, bigram_table, perturbed
 from tests.spec.distribution import METHOD_SETTINGS, SETTINGS, V, make_engine, p_value, processed
+from tests.grammars import vocab_grammars
 
 NUM_SAMPLES = 20_000
 with torch.random.fork_rng():  # bigram_table draws from the global generator: pin it
@@ -72,7 +72,7 @@ def grammar_engine(method: str, k: int = 3):
     else:
         drafter = ModelDrafter(BigramLM(DRAFT), 1, 3000, 16, torch.float32, torch.device("cpu"), 0.1)
     engine = make_engine(target, drafter, k=k)
-    engine.grammars = Grammars.from_vocab(list(CHARS), stop_ids=[])
+    engine.grammars = vocab_grammars(list(CHARS), stop_ids=[])
     return engine
 
 
@@ -112,7 +112,7 @@ def exact_p_value(counts: np.ndarray, outside: int, expected: np.ndarray) -> flo
 
 
 def test_reference_mask_matches_the_compiled_grammar():
-    grammar = Grammars.from_vocab(list(CHARS), stop_ids=[]).matcher(GuidedDecoding("choice", json.dumps(CHOICES)), [])
+    grammar = vocab_grammars(list(CHARS), stop_ids=[]).matcher(GuidedDecoding("choice", json.dumps(CHOICES)), [])
     for prefix in [(), (0,), (0, 1), (3, 5), (5, 2, 4)]:
         bitmask = torch.zeros(1, 1, dtype=torch.int32)
         grammar.fill(bitmask, 0, prefix)

@@ -1,7 +1,12 @@
 from engine.spec_decode.drafter import DraftSlot
-from drafters.ngram import NgramDrafter, NgramIndex, ngram_draft
+from drafters.ngram import NgramDrafter, NgramIndex
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+
+
+def ngram_draft(context: list, n: int, k: int) -> list:
+    """The prompt-lookup rule on a plain list (any hashable tokens), backing off to suffixes of 1."""
+    return NgramIndex(1, n).propose(list(context), k)
 
 
 def test_reference_example():

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.spec_decode import tree, tree_sampler
+from engine import tree
+from engine.spec_decode import tree_sampler
 from engine.spec_decode.metadata import build_verify_metadata
 from engine.spec_decode.tree_sampler import tree_verify
 from tests.spec.bigram import bigram_table, perturbed

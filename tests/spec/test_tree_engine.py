@@ -14,7 +14,6 @@ import torch
 import engine.runner
 import engine.spec_decode.verify
 from drafters.draft_model import ModelDrafter
-from drafters.early_exit import EarlyExitDrafter
 from drafters.ngram import NgramDrafter
 from engine import SamplingParams
 from engine.spec_decode import tree_sampler

@@ -7,7 +7,7 @@ import pytest
 from engine.config import SpeculativeConfig
 from engine.spec_decode.fixed_policy import FixedPolicy
 from engine.spec_decode.policy import Candidate as Request, SpecPolicy, StepCosts
-from engine.spec_decode import tree
+from engine import tree
 from engine.spec_decode.tree_policy import PRIOR_SIBLING, Candidate, best_grown, expected_accepted, grown, update
 
 
@@ -143,4 +143,5 @@ def test_a_static_tree_deeper_than_num_speculative_tokens_is_refused():
     deep = [[0], [0, 0], [0, 0, 0]]
     with pytest.raises(ValueError, match="3 nodes deep, more than num_speculative_tokens=2"):
         SpeculativeConfig(method="early_exit", num_speculative_tokens=2, speculative_token_tree=deep)
-    assert SpeculativeConfig(method="early_exit", num_speculative_tokens=3, speculative_token_tree=deep).static_tree() == (-1, 0, 1)
+    config = SpeculativeConfig(method="early_exit", num_speculative_tokens=3, speculative_token_tree=deep)
+    assert config.static_tree() == (-1, 0, 1)

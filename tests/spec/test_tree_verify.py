@@ -1,11 +1,10 @@
 """Tree data and tree verification on small hand-drawn trees, and the chain case
 against the chain sampler with the same random numbers."""
 
-import numpy as np
 import pytest
 import torch
 
-from engine.spec_decode import tree
+from engine import tree
 from engine.spec_decode.drafter import Draft
 from engine.spec_decode.metadata import build_verify_metadata
 from engine.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample

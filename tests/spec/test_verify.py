@@ -4,7 +4,7 @@ example computed exactly, greedy matching, bonus tokens, padding."""
 import numpy as np
 import torch
 
-from engine.spec_decode import tree
+from engine import tree
 from engine.spec_decode.drafter import Draft
 from engine.spec_decode.metadata import build_verify_metadata
 from engine.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample, residual_distribution
@@ -111,7 +111,8 @@ def test_the_greedy_rule_is_the_rejection_rule_at_a_one_hot_p():
     uniforms and noise."""
     gen = torch.Generator().manual_seed(0)
     n, k, vocab = 64, 5, 4  # a small vocabulary so that many drafts match
-    drafted = [torch.randint(0, vocab, (m,), generator=gen).tolist() for m in torch.randint(0, k + 1, (n,), generator=gen).tolist()]
+    lengths = torch.randint(0, k + 1, (n,), generator=gen).tolist()
+    drafted = [torch.randint(0, vocab, (m,), generator=gen).tolist() for m in lengths]
     argmax = torch.randn(sum(map(len, drafted)) + n, vocab, generator=gen).argmax(-1)
     out, acc = rejection_sample(one_hot_rows(argmax, vocab), chains(drafted, vocab=vocab),
                                 torch.rand(sum(map(len, drafted)), generator=gen), torch.rand(n, vocab, generator=gen) + 0.1)

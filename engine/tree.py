@@ -15,6 +15,9 @@ Parents come before their children. A chain is ``(-1, 0, 1, ...)``. Example::
 Verification rows follow the runner: row 0 is the target's distribution after
 the last committed token (the root), row ``i + 1`` the one after node ``i``.
 Siblings are tried in node order, so a drafter lists its best guess first.
+
+Plain data with no imports of the engine's: the configuration, the attention
+backends (tree masks), speculation and the drafters all build on it.
 """
 
 import numpy as np
