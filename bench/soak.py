@@ -1,4 +1,4 @@
-"""Soak test: an hour (by default) of mixed traffic at 32 concurrent against one server, bounded; nothing lost, leaked or drifting.
+"""Soak test: an hour (by default) of mixed traffic at 32 concurrent against one server; nothing lost, leaked or drifting.
 
     .venv/bin/python -m bench soak [--seconds 3600] [--warmup 300] [--window 300] [--concurrency 32]
                                    [--method ngram] [--max-tokens 8,48]
@@ -34,7 +34,7 @@ import httpx
 
 from bench.common import RESULTS, markdown_table, write_report
 from bench.load import REQUEST_TIMEOUT, ServerProcess, engine_idle
-from bench.loadgen import Job, Result, check_rejected, check_stream, latencies, make_plan, percentiles, send
+from bench.loadgen import Result, check_rejected, check_stream, latencies, make_plan, percentiles, send
 
 RSS_GROWTH = 0.05
 ITL_DRIFT = 0.10
