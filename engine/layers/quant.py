@@ -239,8 +239,7 @@ def linear(x: torch.Tensor, args: LinearArgs) -> torch.Tensor:
     y = torch.empty(m, args.out_features, dtype=torch.float32)
     rc = load().quant_linear(x.data_ptr(), m, k, args.count, args.fmts, args.ptrs, args.rows, y.data_ptr(),
                              torch.get_num_threads())
-    if rc:
-        raise RuntimeError(f"quant_linear failed ({rc}): formats {args.kinds}")
+    cpu_kernels.check(rc, f"quant_linear (formats {args.kinds})")
     return y
 
 
