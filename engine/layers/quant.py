@@ -219,9 +219,17 @@ class LinearArgs:
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [T] of a one-part weight, dequantized: [T, in_features] float32."""
         assert self.count == 1
+        return self._rows(0, ids)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole weight [out_features, in_features] in float32, its parts stacked."""
+        return torch.cat([self._rows(i, torch.arange(self.rows[i])) for i in range(self.count)])
+
+    def _rows(self, part: int, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(ids.shape[0], self.in_features)
-        load().panel_rows(self.fmts[0], self.ptrs[0], self.in_features, ids.data_ptr(), ids.shape[0], out.data_ptr())
+        load().panel_rows(self.fmts[part], self.ptrs[part], self.in_features, ids.data_ptr(), ids.shape[0],
+                          out.data_ptr())
         return out
 
 
