@@ -16,6 +16,7 @@ time: later starts read them back.
 """
 
 import hashlib
+import math
 import mmap
 import shutil
 import struct
@@ -46,11 +47,15 @@ def metadata_dir(path: Path) -> Path:
         return out
     from transformers import AutoConfig, AutoTokenizer
 
+    read_header(path)  # a malformed file is refused here, by name, before transformers parses it
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent))
     try:
-        AutoConfig.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+        try:
+            AutoConfig.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+        except Exception as e:  # noqa: BLE001 - transformers' GGUF reader raises anything on odd metadata
+            raise CheckpointError(f"{path}: its metadata gives no config and tokenizer ({type(e).__name__}: {e})") from e
         tmp.rename(out)
     except OSError:  # built meanwhile by another process
         if not (out / "config.json").exists():
@@ -70,56 +75,114 @@ class TensorInfo:
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+class CheckpointError(ValueError):
+    """A model file that does not hold what it claims (truncated, corrupt, or not for this
+    model): the message names the file and, where one is at fault, the tensor."""
+
+
+class _Cursor:
+    """Reads little-endian GGUF fields from ``data``, every read checked against its end."""
+
+    def __init__(self, data, path: Path):
+        self.data, self.path, self.pos = data, path, 0
+
+    def fail(self, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: {what} (a truncated or corrupt GGUF file)")
+
+    def skip(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > len(self.data):
+            raise self.fail(f"{what} at byte {self.pos} runs past the end of the file ({len(self.data)} bytes)")
+        self.pos += n
+
+    def take(self, fmt: str, what: str):
+        size = struct.calcsize("<" + fmt)
+        self.skip(size, what)
+        return struct.unpack_from("<" + fmt, self.data, self.pos - size)[0]
+
+    def string(self, what: str) -> str:
+        n = self.take("Q", what)
+        self.skip(n, what)
+        return self.data[self.pos - n : self.pos].decode("utf-8", "replace")
+
+    def value(self, kind: int, key: str):
+        """A metadata value of type ``kind``; arrays are skipped (None)."""
+        if kind == _STRING:
+            return self.string(f"the value of {key}")
+        if kind in _SCALARS:
+            return self.take(_SCALARS[kind], f"the value of {key}")
+        if kind != _ARRAY:
+            raise self.fail(f"metadata {key} has the unknown type {kind}")
+        item, count = self.take("I", f"the array {key}"), self.take("Q", f"the array {key}")
+        if item in _SCALARS:
+            self.skip(count * struct.calcsize(_SCALARS[item]), f"the array {key}")
+            return None
+        if count * 8 > len(self.data) - self.pos:
+            raise self.fail(f"the array {key} claims {count} items, more than the file holds")
+        for _ in range(count):
+            self.value(item, key)
+        return None
 
 
 def read_header(path: Path) -> tuple[dict, list[TensorInfo]]:
     """The file's scalar and string metadata (arrays skipped: the vocabulary, the merges) and
     its tensors' names, types, shapes and offsets, read straight from the GGUF layout: the
     ``gguf`` package's reader parses every array element (half a minute for a 49k-token
-    vocabulary on a busy machine)."""
+    vocabulary on a busy machine). Every count, length and offset is checked against the
+    file: ``CheckpointError`` names the file and the field or tensor at fault."""
     with open(path, "rb") as f:
+        if f.seek(0, 2) == 0:
+            raise CheckpointError(f"{path} is empty")
         data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    pos = 0
-
-    def take(fmt: str):
-        nonlocal pos
-        value = struct.unpack_from("<" + fmt, data, pos)
-        pos += struct.calcsize("<" + fmt)
-        return value[0]
-
-    def string() -> str:
-        nonlocal pos
-        n = take("Q")
-        pos += n
-        return data[pos - n : pos].decode("utf-8", "replace")
-
-    def value(kind: int):
-        if kind == _STRING:
-            return string()
-        if kind != _ARRAY:
-            return take(_SCALARS[kind])
-        item, count = take("I"), take("Q")
-        for _ in range(count):
-            value(item)
-        return None
-
     if data[:4] != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file")
-    pos = 4
-    _, n_tensors, n_kv = take("I"), take("Q"), take("Q")
+        raise CheckpointError(f"{path} is not a GGUF file")
+    cur = _Cursor(data, path)
+    cur.pos = 4
+    _, n_tensors, n_kv = cur.take("I", "the version"), cur.take("Q", "the tensor count"), cur.take("Q", "the metadata count")
+    for count, least, what in ((n_kv, 13, "metadata entries"), (n_tensors, 24, "tensors")):
+        if count * least > len(data) - cur.pos:
+            raise cur.fail(f"it claims {count} {what}, more than its {len(data)} bytes hold")
     meta = {}
     for _ in range(n_kv):
-        key = string()
-        meta[key] = value(take("I"))
-    infos = []
-    for _ in range(n_tensors):
-        name, dims = string(), take("I")
-        shape = tuple(take("Q") for _ in range(dims))[::-1]  # GGUF lists the innermost dimension first
-        kind, offset = GGMLQuantizationType(take("I")), take("Q")
-        infos.append(TensorInfo(name, kind, shape, offset))
+        key = cur.string("a metadata key")
+        meta[key] = cur.value(cur.take("I", f"the type of {key}"), key)
+    infos = [_tensor_info(cur) for _ in range(n_tensors)]
     align = meta.get("general.alignment") or 32
-    start = -(-pos // align) * align
-    return meta, [TensorInfo(t.name, t.kind, t.shape, start + t.offset) for t in infos]
+    if not isinstance(align, int) or isinstance(align, bool) or align <= 0:
+        raise cur.fail(f"general.alignment is {align!r}")
+    start = -(-cur.pos // align) * align
+    infos = [TensorInfo(t.name, t.kind, t.shape, start + t.offset) for t in infos]
+    for t in infos:
+        _check_extent(t, len(data), path)
+    return meta, infos
+
+
+def _tensor_info(cur: _Cursor) -> TensorInfo:
+    """One entry of the tensor table: name, dimensions, type, offset (from the data section)."""
+    name = cur.string("a tensor name")
+    dims = cur.take("I", f"the dimension count of tensor {name}")
+    if not 1 <= dims <= MAX_DIMS:
+        raise cur.fail(f"tensor {name} has {dims} dimensions")
+    shape = tuple(cur.take("Q", f"the shape of tensor {name}") for _ in range(dims))[::-1]  # innermost first in GGUF
+    code = cur.take("I", f"the type of tensor {name}")
+    try:
+        kind = GGMLQuantizationType(code)
+    except ValueError:
+        raise cur.fail(f"tensor {name} has the unknown type {code}") from None
+    return TensorInfo(name, kind, shape, cur.take("Q", f"the offset of tensor {name}"))
+
+
+def _check_extent(t: TensorInfo, file_size: int, path: Path) -> None:
+    """CheckpointError unless tensor ``t``'s shape is whole blocks of its type and its bytes lie in the file."""
+    block, size = GGML_QUANT_SIZES.get(t.kind, (0, 0))
+    if not block or min(t.shape) < 1 or t.shape[-1] % block:
+        raise CheckpointError(f"{path}: tensor {t.name} of shape {t.shape} is not whole {t.kind.name} blocks")
+    end = t.offset + math.prod(t.shape[:-1]) * (t.shape[-1] // block) * size
+    if end > file_size:
+        raise CheckpointError(f"{path}: tensor {t.name}'s data (bytes {t.offset} to {end}) runs past the end of the "
+                              f"file ({file_size} bytes): a truncated or corrupt GGUF file")
 
 
 def hf_names(config, arch: str) -> dict[str, str]:
@@ -188,12 +251,45 @@ def checkpoint_tensors(path: Path, config, dequantize: bool = False):
         if name is None:
             if t.name.startswith("rope_freqs"):  # llama.cpp's own rotary factors; the config has them
                 continue
-            raise ValueError(f"GGUF tensor {t.name} has no place in a {arch} model")
+            raise CheckpointError(f"{path}: GGUF tensor {t.name} has no place in a {arch} model")
+        check_shape(path, t.name, name, t.shape, config)
         tensor = _tensor(data, t, dequantize)
         proj = name.split(".")[-2]
         if arch in PERMUTED_QK and proj in heads:
             tensor = _permute(tensor, heads[proj])
         yield name, tensor
+
+
+def expected_shape(hf_name: str, config) -> tuple[int, ...] | None:
+    """The shape a Llama-family checkpoint tensor must have under ``config``; None for a name
+    outside the common table (its family's own checks apply)."""
+    parts = hf_name.split(".")
+    if len(parts) < 2 or not all(hasattr(config, a) for a in ("hidden_size", "num_attention_heads", "vocab_size")):
+        return None
+    h, (module, param) = config.hidden_size, parts[-2:]
+    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    d = getattr(config, "head_dim", None) or h // heads
+    inter = getattr(config, "intermediate_size", None)
+    dense_mlp = len(parts) == 6 and parts[3] == "mlp" and isinstance(inter, int)
+    rows = {"q_proj": heads * d, "k_proj": kv * d, "v_proj": kv * d}
+    if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return (config.vocab_size, h)
+    if module in ("norm", "input_layernorm", "post_attention_layernorm") and param == "weight":
+        return (h,)
+    if module in rows and parts[-3] == "self_attn":
+        return (rows[module], h) if param == "weight" else (rows[module],)
+    if module == "o_proj" and param == "weight":
+        return (h, heads * d)
+    if dense_mlp and param == "weight":
+        return (h, inter) if module == "down_proj" else (inter, h) if module in ("gate_proj", "up_proj") else None
+    return None
+
+
+def check_shape(path: Path, name: str, hf_name: str, shape: tuple[int, ...], config) -> None:
+    """CheckpointError when tensor ``name`` (``hf_name`` in the model) has not the shape ``config`` gives it."""
+    want = expected_shape(hf_name, config)
+    if want is not None and tuple(shape) != want:
+        raise CheckpointError(f"{path}: tensor {name} has shape {tuple(shape)}, the model's config needs {want}")
 
 
 def _permute(tensor, heads: int):

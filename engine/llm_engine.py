@@ -126,11 +126,12 @@ class LLMEngine:
             raise InvalidParameter("logit_bias", f"keys must be token ids in [0, {vocab})")
         if params.guided is not None:
             self.grammars.compile(params.guided)  # cached: the engine's own check is then free
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+        n, limit = len(prompt_token_ids), self.max_model_len
+        if n + params.max_tokens > limit:  # refused, not capped, with vLLM's message
             raise InvalidParameter(
                 "max_tokens",
-                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                f"exceeds the model's maximum context length ({self.max_model_len})",
+                f"is too large: {params.max_tokens}. This model's maximum context length is {limit} tokens and "
+                f"your request has {n} input tokens ({params.max_tokens} > {limit} - {n})",
             )
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:

@@ -19,6 +19,7 @@ from torch import nn
 from transformers import AutoConfig, AutoTokenizer
 
 from engine import gguf_file
+from engine.gguf_file import CheckpointError
 from engine.layers import quant
 from engine.layers.linear import PackedLinear, VocabParallelEmbedding
 from engine.models.llama import LlamaForCausalLM
@@ -68,9 +69,15 @@ def _checkpoint_tensors(path: Path, config, dequantize: bool):
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
+        try:
+            st = safe_open(str(f), framework="pt")
+        except Exception as e:  # noqa: BLE001 - safetensors' own error types, one per kind of damage
+            raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from e
+        with st:
             for name in st.keys():
-                yield name, st.get_slice(name)
+                tensor = st.get_slice(name)
+                gguf_file.check_shape(f, name, name, tuple(tensor.get_shape()), config)
+                yield name, tensor
 
 
 def keeps_quantized(quantization: str, dtype: torch.dtype, device: torch.device) -> bool:
@@ -94,9 +101,15 @@ def load_model(
     gguf_blocks = quantized and path.suffix == ".gguf"
     materialize(model, dtype, device, skip=_block_weights(model) if gguf_blocks else ())
     for name, tensor in _checkpoint_tensors(path, config, dequantize=not quantized):
-        model.load_weight(name, tensor)
+        try:
+            model.load_weight(name, tensor)
+        except (RuntimeError, ValueError, IndexError) as e:
+            raise CheckpointError(f"{path}: tensor {name} does not fit the model ({e})") from e
     check_filled(model, path)
-    model.prepack(quant.QUANTIZE_TO.get(quantization) if quantized else None)
+    try:
+        model.prepack(quant.QUANTIZE_TO.get(quantization) if quantized else None)
+    except ValueError as e:  # a quantized weight whose rows the file's tensors do not fill
+        raise CheckpointError(f"{path}: {e}") from e
     return model.eval()
 
 
@@ -138,5 +151,5 @@ def check_filled(model: nn.Module, path: Path) -> None:
     unfilled = torch.stack([p.isnan().any() for _, p in params]).tolist()  # one host sync for all
     missing = [n for (n, _), bad in zip(params, unfilled) if bad]
     if missing:
-        raise ValueError(f"checkpoint {path} lacks weights (or holds NaN) for {', '.join(missing[:8])}"
+        raise CheckpointError(f"checkpoint {path} lacks weights (or holds NaN) for {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))

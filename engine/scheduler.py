@@ -183,7 +183,7 @@ class Scheduler:
                 if 1 + drafts > budget:
                     continue
             else:
-                n = min(req.num_tokens - req.num_computed_tokens, budget - set_aside)
+                n = min(self._num_to_compute(req), budget - set_aside)
                 if n <= 0:
                     continue
                 drafts = self._num_draft_tokens(req, n, budget - set_aside, num_draft_tokens.get(req.request_id, 0))
@@ -192,6 +192,15 @@ class Scheduler:
             scheduled.append(self._scheduled(req, n, new, drafts))
             budget -= n + drafts
         return budget
+
+    @staticmethod
+    def _num_to_compute(req: Request) -> int:
+        """Tokens left to compute before ``req`` samples. A request recomputing after a
+        preemption (its output begun, more than one token behind) stops one token short,
+        over however many steps, as at admission: its last token then decodes with the
+        drafts it would have had unpreempted, so a seeded request draws the same numbers."""
+        left = req.num_tokens - req.num_computed_tokens
+        return left - 1 if left > 1 and req.num_output_tokens > 0 else left
 
     def _admit(self, req: Request, budget: int) -> int | None:
         """Move the first waiting request (new or preempted: nothing computed, no

@@ -170,7 +170,7 @@ def new_head(target, draft_ids: torch.Tensor) -> EagleHead:
     H = cfg.hidden_size
     with torch.no_grad():
         head.draft_to_target.copy_(draft_ids)
-        head.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
+        head.lm_head.weight.copy_(float_weight(target.lm_head)[draft_ids])
         head.norm.weight.copy_(target.norm.weight)
         head.fc.weight.zero_()
         head.fc.weight[:, 2 * H :] = torch.eye(H)
@@ -180,21 +180,29 @@ def new_head(target, draft_ids: torch.Tensor) -> EagleHead:
     return head
 
 
+def float_weight(linear) -> torch.Tensor:
+    """A target layer's weight [out, in] in float32: a weight kept in GGUF blocks (on meta; a
+    tied head's are the embedding's) dequantized from them."""
+    if not linear.weight.is_meta:
+        return linear.weight
+    return linear.quant_rows.pack(linear.weight.shape[0]).dequantize()
+
+
 def _start_as_layer(head: EagleHead, layer) -> None:
     """The head's decoder layer as ``layer`` where its hidden input stands for the layer's
     input; the embedding's half of q, k and v scaled down to a tenth of its random start."""
     H = head.config.hidden_size
     qkv = layer.self_attn.qkv_proj
-    for proj, w in zip((head.q_proj, head.k_proj, head.v_proj), qkv.weight.split(qkv.out_sizes)):
+    for proj, w in zip((head.q_proj, head.k_proj, head.v_proj), float_weight(qkv).split(qkv.out_sizes)):
         proj.weight[:, :H] *= 0.1
         proj.weight[:, H:] = w
     head.hidden_norm.weight.copy_(layer.input_layernorm.weight)
-    head.o_proj.weight.copy_(layer.self_attn.o_proj.weight)
+    head.o_proj.weight.copy_(float_weight(layer.self_attn.o_proj))
     gate_up = layer.mlp.gate_up_proj
-    gate, up = gate_up.weight.split(gate_up.out_sizes)
+    gate, up = float_weight(gate_up).split(gate_up.out_sizes)
     head.gate_proj.weight.copy_(gate)
     head.up_proj.weight.copy_(up)
-    head.down_proj.weight.copy_(layer.mlp.down_proj.weight)
+    head.down_proj.weight.copy_(float_weight(layer.mlp.down_proj))
     head.post_attention_layernorm.weight.copy_(layer.post_attention_layernorm.weight)
 
 

@@ -38,16 +38,19 @@ def masked_attention_lse(q, k, v, mask, scale: float, softcap: float | None = No
     n, mq, num_heads, d = q.shape
     mk, kvh = k.shape[1], k.shape[2]
     g = num_heads // kvh
+    # Contiguous operands: a strided one can take another matmul path at n = 1, so that a row's
+    # bits would depend on the row count.
     qg = q.reshape(n, mq, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(n, kvh, mq * g, d)  # rows (query, group)
-    kg, vg = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)  # [n, KVH, mk, D]
-    scores = torch.matmul(qg.float(), kg.float().transpose(-1, -2)) * scale  # [n, KVH, mq * g, mk]
+    qg = qg.float().contiguous()
+    kg, vg = k.permute(0, 2, 1, 3).float().contiguous(), v.permute(0, 2, 1, 3).float().contiguous()  # [n, KVH, mk, D]
+    scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # [n, KVH, mq * g, mk]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     visible = mask[:, None, :, None, :].expand(n, 1, mq, g, mk).reshape(n, 1, mq * g, mk)
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [n, KVH, mq * g]
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)  # rows with no key: exp(nan) -> 0
-    out = torch.matmul(probs, vg.float())  # [n, KVH, mq * g, D]
+    out = torch.matmul(probs, vg)  # [n, KVH, mq * g, D]
     out = out.reshape(n, kvh, mq, g, d).permute(0, 2, 1, 3, 4).reshape(n, mq, num_heads, d)
     lse = lse.reshape(n, kvh, mq, g).permute(0, 2, 1, 3).reshape(n, mq, num_heads)
     return out.to(q.dtype), lse

@@ -15,6 +15,7 @@ from engine.attention.metadata import AttentionMetadata, ListedQueries
 from engine.layers import cpu_kernels
 
 LISTED_EAGER_ROWS = 64  # listed tokens attended together by ``_listed_eager`` (bounds its padded gather)
+LISTED_EAGER_KEYS = 64  # ``_listed_eager`` pads a token's keys to a multiple of this
 
 
 def paged_attention(q, k, v, kv_layer, meta: AttentionMetadata, scale: float | None = None,
@@ -89,13 +90,18 @@ def _full_mask(m: int, kv_len: int, causal: bool, device) -> torch.Tensor:
 
 
 def _listed_eager(q, k_flat, v_flat, ls: ListedQueries, scale: float, softcap: float, out) -> None:
-    """The listed queries through ``eager`` into ``out`` [T, H, D], ``LISTED_EAGER_ROWS`` at a
-    time, each padded to the longest list of its group (a prefill chunk is listed too)."""
-    for first in range(0, ls.rows.shape[0], LISTED_EAGER_ROWS):
-        part = slice(first, first + LISTED_EAGER_ROWS)
-        rows, start, length = ls.rows[part], ls.start[part], ls.length[part]  # [n] each
-        j = torch.arange(int(length.max()), device=q.device)  # [L]
-        visible = j[None, :] < length[:, None]  # [n, L]
-        idx = ls.slots[(start[:, None] + j[None, :]).clamp(max=ls.slots.shape[0] - 1)]  # [n, L] slots
-        kl, vl = k_flat[idx].to(q.dtype), v_flat[idx].to(q.dtype)  # [n, L, KVH, D]
-        out[rows] = eager(q[rows][:, None], kl, vl, visible[:, None, :], scale, softcap)[:, 0]
+    """The listed queries through ``eager`` into ``out`` [T, H, D]: grouped by their list's length
+    rounded up to ``LISTED_EAGER_KEYS``, each group padded to that length, ``LISTED_EAGER_ROWS``
+    at a time. A row's shapes then depend on its own list only, so its bits do not depend on
+    its neighbours (``eager``'s ops give a row the same bits at any row count)."""
+    padded = (ls.length + LISTED_EAGER_KEYS - 1) // LISTED_EAGER_KEYS * LISTED_EAGER_KEYS  # [N]
+    for size in padded.unique().tolist():
+        group = (padded == size).nonzero().squeeze(1)  # [n] listed entries of this length
+        j = torch.arange(size, device=q.device)  # [L]
+        for first in range(0, group.shape[0], LISTED_EAGER_ROWS):
+            part = group[first : first + LISTED_EAGER_ROWS]
+            rows, start, length = ls.rows[part], ls.start[part], ls.length[part]  # [n] each
+            visible = j[None, :] < length[:, None]  # [n, L]
+            idx = ls.slots[(start[:, None] + j[None, :]).clamp(max=ls.slots.shape[0] - 1)]  # [n, L] slots
+            kl, vl = k_flat[idx].to(q.dtype), v_flat[idx].to(q.dtype)  # [n, L, KVH, D]
+            out[rows] = eager(q[rows][:, None], kl, vl, visible[:, None, :], scale, softcap)[:, 0]

@@ -118,10 +118,25 @@ def build(compiler: str, flags: tuple[str, ...]):
         + [ctypes.c_void_p] * 8 + [ctypes.c_int]
     )
     lib.moe_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-    for f in (lib.matmul_f32, lib.rms_norm_f32, lib.paged_attention_f32, lib.paged_attention_kv_bf16, lib.silu_mul_f32,
-              lib.rope_f32, lib.decoder_layer_f32, lib.moe_f32):
+    for f in (lib.matmul_f32, lib.rms_norm_f32, lib.silu_mul_f32, lib.rope_f32):
         f.restype = None
+    for f in (lib.paged_attention_f32, lib.paged_attention_kv_bf16, lib.decoder_layer_f32, lib.moe_f32):
+        f.restype = ctypes.c_int  # 0, or a negative code (check)
     return lib
+
+
+class KernelError(RuntimeError):
+    """A C kernel returned an error code: its output is unwritten, so the step must fail."""
+
+
+NO_MEMORY = -2  # csrc/common.h KERNEL_NO_MEMORY
+
+
+def check(rc: int, kernel: str) -> None:
+    """Raises ``KernelError`` for a kernel's nonzero return code ``rc``."""
+    if rc:
+        why = "out of memory" if rc == NO_MEMORY else "no kernel for a weight format" if rc == -1 else f"code {rc}"
+        raise KernelError(f"the C kernel {kernel} failed: {why}")
 
 
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # the cache element types of the kernels (csrc/common.h KV_F32, KV_BF16)
@@ -199,11 +214,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert v_cache.dtype == k_cache.dtype
     lib = load()
     kernel = lib.paged_attention_kv_bf16 if kv_type(k_cache) else lib.paged_attention_f32
-    kernel(
+    rc = kernel(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(), start.data_ptr(),
         length.data_ptr(), slots.data_ptr(), out.data_ptr(), rows.shape[0], h, kvh, d, scale or d**-0.5,
         torch.get_num_threads(),
     )
+    check(rc, "paged_attention")
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -255,8 +271,9 @@ def moe(x: torch.Tensor, args: MoEArgs) -> torch.Tensor:
     is the same bits whatever the other tokens are."""
     x = x.contiguous()
     out = torch.empty_like(x)
-    load().moe_f32(ctypes.addressof(args), x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
-                   torch.get_num_threads())
+    rc = load().moe_f32(ctypes.addressof(args), x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                        torch.get_num_threads())
+    check(rc, "moe")
     return out
 
 
@@ -303,5 +320,6 @@ def decoder_layer(x: torch.Tensor, layer: tuple, k_cache: torch.Tensor, v_cache:
     float32 or bfloat16 (``kv_type``: the new keys and values rounded to nearest even)."""
     ptr, width = (None, 0) if attn_in is None else (attn_in.data_ptr(), attn_in.shape[1])
     assert v_cache.dtype == k_cache.dtype
-    load().decoder_layer_f32(x.data_ptr(), ptr, width, x.shape[0], *layer, k_cache.data_ptr(), v_cache.data_ptr(),
-                             kv_type(k_cache), *step, torch.get_num_threads())
+    rc = load().decoder_layer_f32(x.data_ptr(), ptr, width, x.shape[0], *layer, k_cache.data_ptr(),
+                                  v_cache.data_ptr(), kv_type(k_cache), *step, torch.get_num_threads())
+    check(rc, "decoder_layer")

@@ -219,9 +219,17 @@ class LinearArgs:
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [T] of a one-part weight, dequantized: [T, in_features] float32."""
         assert self.count == 1
+        return self._rows(0, ids)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole weight [out_features, in_features] in float32, its parts stacked."""
+        return torch.cat([self._rows(i, torch.arange(self.rows[i])) for i in range(self.count)])
+
+    def _rows(self, part: int, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(ids.shape[0], self.in_features)
-        load().panel_rows(self.fmts[0], self.ptrs[0], self.in_features, ids.data_ptr(), ids.shape[0], out.data_ptr())
+        load().panel_rows(self.fmts[part], self.ptrs[part], self.in_features, ids.data_ptr(), ids.shape[0],
+                          out.data_ptr())
         return out
 
 
@@ -239,8 +247,7 @@ def linear(x: torch.Tensor, args: LinearArgs) -> torch.Tensor:
     y = torch.empty(m, args.out_features, dtype=torch.float32)
     rc = load().quant_linear(x.data_ptr(), m, k, args.count, args.fmts, args.ptrs, args.rows, y.data_ptr(),
                              torch.get_num_threads())
-    if rc:
-        raise RuntimeError(f"quant_linear failed ({rc}): formats {args.kinds}")
+    cpu_kernels.check(rc, f"quant_linear (formats {args.kinds})")
     return y
 
 

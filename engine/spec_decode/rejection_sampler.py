@@ -17,7 +17,9 @@ With ``J`` drafts accepted (the *accepted* tokens), one more token is emitted:
 * ``J < k``: the *recovered* token, sampled from ``normalize(max(0, p_{J+1} - q_{J+1}))``;
 * ``J = k``: the *bonus* token, sampled from ``p_{k+1}``.
 
-Taking ``q_{k+1} = 0`` makes the bonus case the residual formula at ``J = k``.
+Taking ``q_{k+1} = 0`` makes the bonus case the residual formula at ``J = k``; it is
+drawn from ``p_{k+1}`` itself, as plain sampling draws a row (the residual would
+divide by a sum that is 1 only up to rounding).
 
 Inputs are flat (``engine.spec_decode.metadata``): ``R = D + n`` rows of
 distributions, request after request, and the ``D`` drafts with their offsets;
@@ -46,10 +48,13 @@ def rejection_sample(
     accept = uniforms * q_x < p_x  # [D] u < p/q without dividing by a zero q
     num_accepted = _first_rejection(accept, meta)  # [n]
 
-    # The distribution of the extra token at row J: residual, or p itself at J = k.
+    # The distribution of the extra token at row J: residual, or p itself at J = k (the
+    # bonus row, and the one row of a request without drafts: drawn as plain sampling
+    # draws it, not as p / sum(p), so that its bits do not depend on a neighbour's drafts).
     p_j = target_probs[meta.first_rows + num_accepted]  # [n, V]
-    q_j = _draft_row(meta, num_accepted, p_j)
-    extra = (residual_distribution(p_j, q_j) / noise).argmax(dim=1)  # exponential race
+    rejected = (num_accepted < meta.num_draft_tokens).unsqueeze(1)  # [n, 1]
+    dist = torch.where(rejected, residual_distribution(p_j, _draft_row(meta, num_accepted, p_j)), p_j)
+    extra = (dist / noise).argmax(dim=1)  # exponential race
     return _assemble(meta, num_accepted, extra), num_accepted
 
 

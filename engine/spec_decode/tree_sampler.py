@@ -91,9 +91,8 @@ def tree_verify(
         done |= ~moved
     accepted = torch.stack(path[:-1], dim=1) if len(path) > 1 else cur.new_zeros(n, 0)  # [n, L] flat
     num_accepted = (accepted >= 0).sum(dim=1)
-    leaf = (children[cur, 0] < 0).unsqueeze(1)  # no child: bonus, drawn as the chain rule does
-    dist = torch.where(leaf, residual_distribution(r, torch.zeros_like(r)), r)  # else R: the recovered token's
-    extra = (dist / noise).argmax(dim=1)  # exponential race
+    # R: the recovered token's distribution, or at a leaf p_leaf itself (the bonus, drawn as the chain rule does)
+    extra = (r / noise).argmax(dim=1)  # exponential race
     start = meta.draft_starts.unsqueeze(1)  # [n, 1]
     nodes = torch.where(accepted >= 0, accepted - start, PLACEHOLDER)  # within each request
     return _assemble(ids, accepted, num_accepted, extra), num_accepted, nodes

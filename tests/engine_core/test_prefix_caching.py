@@ -231,3 +231,36 @@ def test_the_second_turn_of_a_conversation_hits_the_cache(make_engine, model):
     assert hits[0] == (len(turn2_prompt), 80)
     (cold,) = run(make_engine(model, enable_prefix_caching=False), [turn2_prompt], greedy(10))
     assert turn2.token_ids == cold.token_ids
+
+
+@pytest.mark.parametrize("kernels", ["c", "torch"])
+def test_a_hit_on_a_bfloat16_cache_gives_the_numbers_of_recomputation(make_engine, tiny_model, kernels, monkeypatch):
+    """A hit reads the bfloat16 keys and values the first request wrote; recomputing writes the
+    same rounded ones and reads them back (new keys too are read as the cache holds them): the
+    same logprobs, bit for bit on the C kernels (docs/cpu.md), within 1e-4 on torch's ops."""
+    from engine.layers import cpu_kernels
+
+    if kernels == "torch":
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    elif cpu_kernels.load() is None:
+        pytest.skip("no C kernels on this machine")
+    model = tiny_model(vocab_size=VOCAB, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    model.prepack()
+    prompts = shared_prompts(seed=3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True)
+
+    def numbers(engine) -> list:
+        outs = run(engine, prompts[:1], params, prefix="first") + run(engine, prompts[1:], params)
+        return [[(e.token_id, e.logprob, *e.top) for e in o.request.logprobs] for o in outs]
+
+    cold = numbers(make_engine(model, kv_cache_dtype="bfloat16", enable_prefix_caching=False))
+    engine = make_engine(model, kv_cache_dtype="bfloat16")
+    hits = hit_counter(engine)
+    warm = numbers(engine)
+    assert engine.paged_kv.spec.dtype == torch.bfloat16 and sum(h for _, h in hits) >= 4 * 32
+    if kernels == "c":
+        assert warm == cold
+    else:
+        assert [[t[0] for t in o] for o in warm] == [[t[0] for t in o] for o in cold]
+        torch.testing.assert_close(torch.tensor([[t[1] for t in o] for o in warm]),
+                                   torch.tensor([[t[1] for t in o] for o in cold]), rtol=1e-4, atol=1e-4)

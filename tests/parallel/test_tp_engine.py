@@ -70,8 +70,9 @@ def closed(engine):
 
 @torch.inference_mode()
 def prompt_logits(model, kv, prompt: list[int]) -> torch.Tensor:
-    """[len(prompt), vocab], computed in KV blocks 0 and 1 (the engine is idle, prefix caching off)."""
-    meta = build_attention_metadata([SeqSpec(0, len(prompt), [0, 1])], 16)
+    """[len(prompt), vocab], computed in KV blocks 0 and 1 (the engine is idle, prefix caching off),
+    with the ``cpu`` backend's metadata, as the engine's runner and a split's other ranks build it."""
+    meta = build_attention_metadata([SeqSpec(0, len(prompt), [0, 1])], 16, listed=True)
     return model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt)), meta, kv))
 
 
@@ -167,3 +168,44 @@ def test_the_default_gguf_file_splits_in_its_blocks(tokenizer, monkeypatch):
     monkeypatch.setattr(gguf_file, "_unpermute", lambda t, heads: t)
     broken = tp_engine(path, 1, tokenizer, num_threads=1, enable_prefix_caching=False)
     assert moved < 1.0 < (prompt_logits(broken.model, broken.paged_kv, prompts[0]) - ref).abs().mean().item()
+
+
+def test_the_quantized_split_is_one_rank_adding_two_partial_sums(tokenizer, monkeypatch):
+    """Why the split's greedy text on the Q4_1 default can leave size 1's: arithmetic, not a
+    bug. One rank whose row-parallel layers (o_proj, down_proj) add the two ranks' partial
+    products, each from that rank's own blocks, gives the split's logits bit for bit, and
+    its greedy text; plain size 1 does not (its one FMA chain per output rounds otherwise,
+    and an activation one ulp away can change an 8-bit code of the next layer's input)."""
+    from engine.layers.linear import RowParallelLinear
+    from engine.loader import load_model
+    from engine.model_store import fetch_default_gguf
+    from engine.parallel import TPGroup
+
+    path = fetch_default_gguf()
+    prompts = [tokenizer.encode(p) for p in TEXT_PROMPTS]
+    whole = tp_engine(path, 1, tokenizer, num_threads=1, enable_prefix_caching=False)
+    plain_logits, plain_text = prompt_logits(whole.model, whole.paged_kv, prompts[0]), greedy_ids(whole, prompts)
+    split = tp_engine(path, 2, tokenizer, num_threads=1, enable_prefix_caching=False)
+    try:
+        split_logits, split_text = prompt_logits(split.model, split.paged_kv, prompts[0]), greedy_ids(split, prompts)
+        second = load_model(path, torch.float32, torch.device("cpu"), TPGroup(rank=1, size=2), 256)
+        halves = {}
+        for mine, first, other in zip(whole.model.layers, split.model.local.layers, second.layers):
+            for get in (lambda layer: layer.self_attn.o_proj, lambda layer: layer.mlp.down_proj):
+                assert get(first).qweight.kinds == ["Q4_1"]
+                halves[id(get(mine))] = (get(first), get(other))
+
+        def two_partial_sums(self, x):  # x [T, in] -> rank 0's product + rank 1's [T, out]
+            a, b = halves[id(self)]
+            return self.biased(a.matmul(x[:, : a.in_shard]) + b.matmul(x[:, a.in_shard :]))
+
+        monkeypatch.setattr(RowParallelLinear, "forward", two_partial_sums)
+        monkeypatch.setattr(whole.model, "fused", None)  # layer by layer, through the forward above
+        emulated = prompt_logits(whole.model, whole.paged_kv, prompts[0])
+        assert torch.equal(emulated, split_logits)
+        assert greedy_ids(whole, prompts, max_tokens=24) == split_text
+        assert not torch.equal(plain_logits, split_logits)
+        assert split_text != plain_text  # these prompts leave size 1's text (the 30 layers amplify it)
+    finally:
+        check_no_lost_blocks(whole)
+        closed(split)

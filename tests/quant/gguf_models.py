@@ -79,10 +79,11 @@ GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_pro
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 
 
-def write_gguf(model, path: Path, kinds=lambda name: "Q4_1", head: str = "Q8_0", embed: str = "Q8_0") -> Path:
+def write_gguf(model, path: Path, kinds=lambda name: "Q4_1", head: str | None = "Q8_0", embed: str = "Q8_0") -> Path:
     """``model`` (transformers' Llama) to a GGUF file at ``path``: matrix ``name`` (e.g.
     ``blk.0.attn_v``) in block format ``kinds(name)`` ("F32" / "F16": plain), the output head in
-    ``head``, the embedding in ``embed``, the norms in F32."""
+    ``head`` (None: no head, tied to the embedding, as SmolLM2's), the embedding in ``embed``,
+    the norms in F32."""
     cfg = model.config
     w = GGUFWriter(str(path), "llama")
     w.add_block_count(cfg.num_hidden_layers)
@@ -111,7 +112,8 @@ def write_gguf(model, path: Path, kinds=lambda name: "Q4_1", head: str = "Q8_0",
 
     sd = model.state_dict()
     add("token_embd.weight", sd["model.embed_tokens.weight"], embed)
-    add("output.weight", sd["lm_head.weight"], head)
+    if head is not None:
+        add("output.weight", sd["lm_head.weight"], head)
     add("output_norm.weight", sd["model.norm.weight"], "F32")
     for i in range(cfg.num_hidden_layers):
         pre = f"model.layers.{i}."

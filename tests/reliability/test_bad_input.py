@@ -43,6 +43,20 @@ def vocab(live) -> int:
     return live.serving.engine.engine.model.config.vocab_size
 
 
+def test_max_tokens_above_the_context_left_is_refused_as_vllm_does(http):
+    """Room for exactly max_tokens is served; one more is a 400 whose message gives vLLM's
+    numbers: max_tokens, the context length, the input tokens."""
+    prompt = [1] * (MAX_MODEL_LEN - 2)
+    r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text[:300]
+    error = assert_4xx(http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3}), param="max_tokens")
+    assert error["message"] == (f"max_tokens is too large: 3. This model's maximum context length is {MAX_MODEL_LEN} "
+                                f"tokens and your request has {MAX_MODEL_LEN - 2} input tokens "
+                                f"(3 > {MAX_MODEL_LEN} - {MAX_MODEL_LEN - 2})")
+    r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_completion_tokens": MAX_MODEL_LEN})
+    assert f"is too large: {MAX_MODEL_LEN}. This model's maximum context length" in assert_4xx(r)["message"]
+
+
 def test_prompt_token_ids_outside_the_vocabulary(live, http):
     v = vocab(live)
     for prompt in ([-1], [v], [1, 2, v + 5], [2**63 - 1], [[1, 2], [v]], [[-5]]):

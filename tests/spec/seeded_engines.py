@@ -26,7 +26,7 @@ def soft_target(**kw):
     return model
 
 
-def build(name: str, tmp_path, tokenizer=None) -> LLMEngine:
+def build(name: str, tmp_path, tokenizer=None, num_blocks: int = 256) -> LLMEngine:
     target = soft_target()
     method, tree = name.removesuffix("-tree"), name.endswith("-tree")
     drafter = None
@@ -43,7 +43,7 @@ def build(name: str, tmp_path, tokenizer=None) -> LLMEngine:
     spec = SpeculativeConfig(method=method, num_speculative_tokens=4, **kw)  # measured costs, adaptive
     config = EngineConfig(
         ModelConfig(max_model_len=128, dtype="float32", device="cpu"),
-        CacheConfig(block_size=BLOCK, num_blocks=256, enable_prefix_caching=True),
+        CacheConfig(block_size=BLOCK, num_blocks=num_blocks, enable_prefix_caching=True),
         SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=BUDGET),
         spec,
     )

@@ -1,14 +1,17 @@
 """train-eagle's pieces on a tiny target: the training-time-test loss learns, the head
 it writes is read by the loader and drafts without changing greedy output, and the
-saved training state resumes exactly. The trained head of the default model, when
-one exists, keeps greedy output identical too."""
+saved training state resumes exactly; the same end to end on a quantized target with a
+tied head. The trained head of the default model (or, when none exists, one trained here
+for a few steps) keeps greedy output identical too."""
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from training.eagle_train import _load_state, _restore, _save, new_head, training_step, ttt_loss
+from engine.layers import quant
+from training.eagle_train import TrainConfig, _load_state, _restore, _save, new_head, train, training_step, ttt_loss
 from engine.models.llama import head_dim_of
 from kvcache.tensors import KVSpec, PagedKV
 from tests.spec.eagle_heads import PROMPTS, eagle_engine, run, small_target
@@ -100,16 +103,27 @@ def test_the_saved_state_resumes_exactly(tmp_path):
         torch.testing.assert_close(a, b, msg=name)
 
 
+@pytest.fixture(scope="module")
+def default_head(tmp_path_factory) -> Path:
+    """The trained head of the default model where one exists; else a head trained here for a
+    few steps on a few chats (``train`` on the Q4_1 default, its head the quantized embedding)."""
+    if TRAINED.is_dir():
+        return TRAINED
+    cfg = TrainConfig(out=str(tmp_path_factory.mktemp("head")), max_steps=4, batch_size=2, seq_len=64,
+                      draft_vocab=2048, answer_tokens=16, prompts=20, save_every=2, eval_every=2,
+                      eval_sequences=2, bf16=False)
+    return train(cfg)
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(not TRAINED.is_dir(), reason="no trained head: specserve train-eagle --out " + str(TRAINED))
-def test_the_trained_head_keeps_greedy_output_on_the_default_model(make_engine, default_engine):
+def test_the_trained_head_keeps_greedy_output_on_the_default_model(make_engine, default_engine, default_head):
     from engine.config import SpeculativeConfig
 
     tok = default_engine.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
                for q in ("What is a prime number?", "Write a haiku about rivers.")]
     prompts = [p["input_ids"] if hasattr(p, "keys") else p for p in prompts]
-    spec = SpeculativeConfig(method="eagle3", model=str(TRAINED), num_speculative_tokens=4, verify_cost=0.05)
+    spec = SpeculativeConfig(method="eagle3", model=str(default_head), num_speculative_tokens=4, verify_cost=0.05)
     assert run(make_engine(speculative=spec), prompts, 48) == run(default_engine, prompts, 48)
 
 
@@ -242,3 +256,25 @@ def test_held_out_agreement_is_the_mean_over_every_sequence_whatever_the_batchin
     whole = ttt_loss(head, feats, tokens, probs, steps=2)[1]
     for batch in (1, 2, 3, 4):
         assert agreement(head, w, steps=2, batch=batch) == pytest.approx(whole)
+
+
+@pytest.mark.skipif(quant.load() is None, reason="no CPU kernels here (AVX2, a C compiler)")
+def test_train_eagle_on_a_quantized_target_with_a_tied_head(tmp_path):
+    """``train`` end to end (distillation, training, the saved head) on a GGUF target whose
+    matrices are Q4_1 and whose head is its Q4_1 embedding, as the default model's: the new
+    head starts from their dequantized rows; the engine then drafts with it, greedy unchanged."""
+    from engine.loader import load_model
+    from tests.quant.gguf_models import tiny_llama, write_gguf
+
+    model = tiny_llama(layers=4)
+    model.config.max_position_embeddings = 2048  # the distillation prompts, one token a byte
+    path = write_gguf(model, tmp_path / "tiny.gguf", head=None, embed="Q4_1")
+    cfg = TrainConfig(out=str(tmp_path / "head"), model=str(path), max_steps=4, batch_size=2, seq_len=16,
+                      draft_vocab=64, answer_tokens=8, prompts=20, save_every=2, eval_every=2, eval_sequences=2,
+                      bf16=False)
+    out = train(cfg)
+    assert len(json.loads((out / "train_log.json").read_text())["steps"]) == 4
+    target = load_model(path, torch.float32, torch.device("cpu"))
+    assert target.lm_head.weight.is_meta and target.layers[0].mlp.gate_up_proj.qweight is not None  # served quantized
+    prompts = [[1, 70, 80, 90, 70, 80, 90], [1, 100, 101, 102]]
+    assert run(eagle_engine(target, "eagle3", out), prompts, 12) == run(eagle_engine(target), prompts, 12)

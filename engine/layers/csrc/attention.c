@@ -436,7 +436,7 @@ static int64_t attention_items(const int64_t *start, int64_t n, int64_t KVH, int
     return count;
 }
 
-void PAGED_ATTENTION(const float *q, int64_t q_stride, const kv_t *k_cache, const kv_t *v_cache,
+int PAGED_ATTENTION(const float *q, int64_t q_stride, const kv_t *k_cache, const kv_t *v_cache,
                          const int64_t *rows, const int64_t *start, const int64_t *len, const int64_t *slots,
                          float *out, int64_t n, int64_t H, int64_t KVH, int64_t D, float scale, int num_threads) {
     const int64_t rep = H / KVH;
@@ -455,13 +455,20 @@ void PAGED_ATTENTION(const float *q, int64_t q_stride, const kv_t *k_cache, cons
     while (per_item > in_regs && vectors / per_item < 4 * num_threads) per_item /= 2;
     per_item = per_item < in_regs ? in_regs : per_item;
     AttnItem *items = malloc(sizeof(AttnItem) * n * H);
+    if (!items) return KERNEL_NO_MEMORY;
+    int failed = 0;
     const int64_t count = attention_items(start, n, KVH, rep, per_item, items), ss = max_len + 16;
     #pragma omp parallel num_threads(count > 1 ? num_threads : 1)
     {
         float *scores = malloc(sizeof(float) * (MAXR * ss + 2 * MAXR * D + KB * D));
+        if (!scores) {
+            #pragma omp atomic write
+            failed = 1;
+        }
         float *acc = scores + MAXR * ss, *qs = acc + MAXR * D, *buf = qs + MAXR * D;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < count; it++) {
+            if (!scores) continue;
             const AttnItem w = items[it];
             const int64_t g = w.g;
             const int64_t *sl = slots + start[w.first];
@@ -490,4 +497,5 @@ void PAGED_ATTENTION(const float *q, int64_t q_stride, const kv_t *k_cache, cons
         free(scores);
     }
     free(items);
+    return failed ? KERNEL_NO_MEMORY : 0;
 }

@@ -72,14 +72,17 @@ static inline __m512 bf16x16_to_f32(const uint16_t *p) {
 /* The element type of a paged KV cache, as cpu_kernels.py passes it. */
 enum { KV_F32 = 0, KV_BF16 = 1 };
 
+/* The kernels that allocate return int: 0, or KERNEL_NO_MEMORY (their outputs unwritten). */
+enum { KERNEL_NO_MEMORY = -2 };
+
 void matmul_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K, int num_threads);
-void grouped_matmul_f32(int64_t G, const float *const *x, const float *const *w, float *const *y, const int64_t *M,
+int grouped_matmul_f32(int64_t G, const float *const *x, const float *const *w, float *const *y, const int64_t *M,
                         int64_t N, int64_t K, int num_threads);
 void rms_norm_f32(const float *x, const float *w, float *y, int64_t T, int64_t H, float eps, int num_threads);
-void paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                          const int64_t *rows, const int64_t *start, const int64_t *len, const int64_t *slots,
                          float *out, int64_t n, int64_t H, int64_t KVH, int64_t D, float scale, int num_threads);
-void paged_attention_kv_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+int paged_attention_kv_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                              const int64_t *rows, const int64_t *start, const int64_t *len, const int64_t *slots,
                              float *out, int64_t n, int64_t H, int64_t KVH, int64_t D, float scale, int num_threads);
 void silu_mul_f32(const float *gu, float *out, int64_t T, int64_t I, int num_threads);
@@ -96,5 +99,5 @@ typedef struct {
     const float *shared_gate_up;   /* [2 S, Hd] */
     const float *shared_down;      /* [Hd, S] */
 } moe_t;
-void moe_f32(const moe_t *m, const float *h, float *out, int64_t T, int64_t Hd, int num_threads);
+int moe_f32(const moe_t *m, const float *h, float *out, int64_t T, int64_t Hd, int num_threads);
 #endif

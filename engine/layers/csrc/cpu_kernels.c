@@ -88,16 +88,18 @@ void rope_f32(const float *x, int64_t x_stride, const float *cos, const float *s
  * weight pointers as its own handles (GGUF blocks: quant_kernels.c, quant_layer_matmul).
  * moe: NULL for the gated MLP of w_gu and w_down; otherwise the sparse mixture of experts
  * in its place (moe.c; w_gu, w_down and mm unused by it, I = 0).
- * scratch: at least T * (2 Hd + (2 H + 3 KVH) D + H D + 3 I) floats. */
-typedef void (*layer_matmul_fn)(const void *w, const float *x, float *y, int64_t M, int64_t N, int64_t K,
-                                int num_threads);
+ * scratch: at least T * (2 Hd + (2 H + 3 KVH) D + H D + 3 I) floats.
+ * Returns 0, or the first failing kernel's negative code (mm's, KERNEL_NO_MEMORY), x then
+ * partly updated. */
+typedef int (*layer_matmul_fn)(const void *w, const float *x, float *y, int64_t M, int64_t N, int64_t K,
+                               int num_threads);
 
-static void layer_matmul(layer_matmul_fn mm, const float *x, const float *w, float *y, int64_t M, int64_t N,
-                         int64_t K, int num_threads) {
+static int layer_matmul(layer_matmul_fn mm, const float *x, const float *w, float *y, int64_t M, int64_t N,
+                        int64_t K, int num_threads) {
     if (mm)
-        mm(w, x, y, M, N, K, num_threads);
-    else
-        matmul_f32(x, w, y, M, N, K, num_threads);
+        return mm(w, x, y, M, N, K, num_threads);
+    matmul_f32(x, w, y, M, N, K, num_threads);
+    return 0;
 }
 
 /* src [n] into the cache from its element at (kv_type KV_BF16: rounded to nearest even). */
@@ -110,7 +112,7 @@ static void write_kv(void *cache, int kv_type, int64_t at, const float *src, int
     }
 }
 
-void decoder_layer_f32(float *x, const float *attn_in, int64_t In, int64_t T, int64_t Hd, int64_t H, int64_t KVH,
+int decoder_layer_f32(float *x, const float *attn_in, int64_t In, int64_t T, int64_t Hd, int64_t H, int64_t KVH,
                        int64_t D, int64_t I, float eps, float scale, const float *ln1, const float *w_qkv,
                        const float *w_o, const float *ln2, const float *w_gu, const float *w_down,
                        const float *b_qkv, const float *q_norm, const float *k_norm, layer_matmul_fn mm,
@@ -129,7 +131,8 @@ void decoder_layer_f32(float *x, const float *attn_in, int64_t In, int64_t T, in
         rms_norm_f32(x, ln1, h, T, Hd, eps, num_threads);
         attn_in = h, In = Hd;
     }
-    layer_matmul(mm, attn_in, w_qkv, qkv, T, QKV, In, num_threads);
+    int rc = layer_matmul(mm, attn_in, w_qkv, qkv, T, QKV, In, num_threads);
+    if (rc) return rc;
     for (int64_t t = 0; b_qkv != NULL && t < T; t++)
         for (int64_t i = 0; i < QKV; i++) qkv[t * QKV + i] += b_qkv[i];
     for (int64_t t = 0; q_norm != NULL && t < T; t++) { /* in place: each row is read before it is written */
@@ -142,19 +145,21 @@ void decoder_layer_f32(float *x, const float *attn_in, int64_t In, int64_t T, in
         write_kv(v_cache, kv_type, slot_mapping[t] * KVH * D, qkv + t * QKV + QK, KVH * D);
     }
     if (kv_type == KV_BF16)
-        paged_attention_kv_bf16(qk, QK, k_cache, v_cache, rows, start, len, slots, att, T, H, KVH, D, scale,
-                                num_threads);
+        rc = paged_attention_kv_bf16(qk, QK, k_cache, v_cache, rows, start, len, slots, att, T, H, KVH, D, scale,
+                                     num_threads);
     else
-        paged_attention_f32(qk, QK, k_cache, v_cache, rows, start, len, slots, att, T, H, KVH, D, scale, num_threads);
-    layer_matmul(mm, att, w_o, o, T, Hd, H * D, num_threads);
+        rc = paged_attention_f32(qk, QK, k_cache, v_cache, rows, start, len, slots, att, T, H, KVH, D, scale,
+                                 num_threads);
+    if (rc || (rc = layer_matmul(mm, att, w_o, o, T, Hd, H * D, num_threads))) return rc;
     for (int64_t i = 0; i < T * Hd; i++) x[i] += o[i];
     rms_norm_f32(x, ln2, h, T, Hd, eps, num_threads);
     if (moe) {
-        moe_f32(moe, h, o, T, Hd, num_threads);
-    } else {
-        layer_matmul(mm, h, w_gu, gu, T, 2 * I, Hd, num_threads);
+        rc = moe_f32(moe, h, o, T, Hd, num_threads);
+    } else if (!(rc = layer_matmul(mm, h, w_gu, gu, T, 2 * I, Hd, num_threads))) {
         silu_mul_f32(gu, a, T, I, num_threads);
-        layer_matmul(mm, a, w_down, o, T, Hd, I, num_threads);
+        rc = layer_matmul(mm, a, w_down, o, T, Hd, I, num_threads);
     }
+    if (rc) return rc;
     for (int64_t i = 0; i < T * Hd; i++) x[i] += o[i];
+    return 0;
 }

@@ -204,10 +204,11 @@ void matmul_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, 
 /* y[g] [M[g], N] = x[g] [M[g], K] @ w[g]^T for G products of the same N and K (the experts of
  * a mixture), the work items of all of them in one parallel loop: those of G matmul_f32
  * calls, so the same bits, with one fork and join for all of them. */
-void grouped_matmul_f32(int64_t G, const float *const *x, const float *const *w, float *const *y, const int64_t *M,
+int grouped_matmul_f32(int64_t G, const float *const *x, const float *const *w, float *const *y, const int64_t *M,
                         int64_t N, int64_t K, int num_threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
     int64_t *first = malloc(sizeof(int64_t) * (G + 1)); /* product g's items: first[g] .. first[g + 1] - 1 */
+    if (!first) return KERNEL_NO_MEMORY;
     first[0] = 0;
     for (int64_t g = 0; g < G; g++) first[g + 1] = first[g] + panels * ((M[g] + ROW_BLOCK - 1) / ROW_BLOCK);
     #pragma omp parallel for schedule(static) num_threads(first[G] > 1 ? num_threads : 1)
@@ -220,4 +221,5 @@ void grouped_matmul_f32(int64_t G, const float *const *x, const float *const *w,
         panel_item(w[g] + i * K * PANEL, x[g], y[g], m0, M[g] - m0 < ROW_BLOCK ? M[g] : m0 + ROW_BLOCK, n, cols, N, K);
     }
     free(first);
+    return 0;
 }

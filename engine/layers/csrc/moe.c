@@ -42,11 +42,12 @@ static void gated_mlp(const float *w_gu, const float *w_down, const float *x, fl
  * row is the same bits at any row count, so a token's result never depends on which
  * tokens share its experts. Its buffers are allocated here: their size
  * depends on T and top_k only. */
-void moe_f32(const moe_t *m, const float *h, float *out, int64_t T, int64_t Hd, int num_threads) {
+int moe_f32(const moe_t *m, const float *h, float *out, int64_t T, int64_t Hd, int num_threads) {
     const int64_t E = m->experts, K = m->top_k, I = m->inter, S = m->shared_inter, P = T * K;
     const int64_t ints = 2 * P + 2 * (E + 1);
     const int64_t floats = T * E + P + P * (2 * Hd + 3 * I) + (S ? T * (1 + 3 * S + Hd) : 0);
     int64_t *buf = malloc(sizeof(int64_t) * ints + sizeof(float) * floats);
+    if (!buf) return KERNEL_NO_MEMORY;
     int64_t *ids = buf;            /* [T, K]: each pair's expert */
     int64_t *pos = ids + P;        /* [T, K]: each pair's row among the sorted ones */
     int64_t *first = pos + P;      /* [E + 1]: expert e's sorted rows are first[e] .. first[e + 1] - 1 */
@@ -79,9 +80,15 @@ void moe_f32(const moe_t *m, const float *h, float *out, int64_t T, int64_t Hd, 
         rows[used++] = first[e + 1] - r;
     }
     /* gated_mlp's kernels, each over every expert at once */
-    grouped_matmul_f32(used, gu_in, gu_w, gu_out, rows, 2 * I, Hd, num_threads);
+    if (grouped_matmul_f32(used, gu_in, gu_w, gu_out, rows, 2 * I, Hd, num_threads)) {
+        free(buf);
+        return KERNEL_NO_MEMORY;
+    }
     silu_mul_f32(gu, a, P, I, num_threads);
-    grouped_matmul_f32(used, down_in, down_w, down_out, rows, Hd, I, num_threads);
+    if (grouped_matmul_f32(used, down_in, down_w, down_out, rows, Hd, I, num_threads)) {
+        free(buf);
+        return KERNEL_NO_MEMORY;
+    }
     for (int64_t t = 0; t < T; t++) {
         float *o = out + t * Hd;
         const float *y0 = ys + pos[t * K] * Hd;
@@ -102,4 +109,5 @@ void moe_f32(const moe_t *m, const float *h, float *out, int64_t T, int64_t Hd, 
         }
     }
     free(buf);
+    return 0;
 }

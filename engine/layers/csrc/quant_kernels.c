@@ -321,9 +321,10 @@ typedef struct {
 } quant_matrix;
 
 /* cpu_kernels.c's layer_matmul_fn for quantized weights: y [M, N] = x [M, K] @ W.T, W a
- * ``quant_matrix`` (the fused decoder layer calls it for each of its four matrices). */
-void quant_layer_matmul(const void *w, const float *x, float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
+ * ``quant_matrix`` (the fused decoder layer calls it for each of its four matrices).
+ * Returns quant_linear's code: 0, or negative (y unwritten). */
+int quant_layer_matmul(const void *w, const float *x, float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
     const quant_matrix *q = w;
     (void)N;
-    quant_linear(x, M, K, q->parts, q->fmts, q->ws, q->ns, y, num_threads);
+    return quant_linear(x, M, K, q->parts, q->fmts, q->ws, q->ns, y, num_threads);
 }
