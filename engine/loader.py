@@ -71,7 +71,7 @@ def _checkpoint_tensors(path: Path, config, dequantize: bool):
     for f in files:
         try:
             st = safe_open(str(f), framework="pt")
-        except Exception as e:  # noqa: BLE001 - safetensors' own error types, one per kind of damage
+        except Exception as e:
             raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from e
         with st:
             for name in st.keys():
