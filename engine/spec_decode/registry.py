@@ -21,6 +21,7 @@ DRAFTERS: dict[str, str] = {
     "eagle3": "drafters.eagle:build_eagle3",
     "ngram+eagle": "drafters.combined:build_ngram_eagle",
     "ngram+eagle3": "drafters.combined:build_ngram_eagle3",
+    "suffix": "drafters.suffix:build",
 }
 
 
