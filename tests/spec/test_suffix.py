@@ -17,7 +17,10 @@ from tests.spec.test_tree_engine import (
     sampled_run,
     tiny_engine,
 )
+from tests.conftest import check_no_lost_blocks
 from tests.spec.distribution import exact_joint, p_value
+from tests.spec.seeded_engines import PROMPT, build
+from tests.spec.test_seeded_traffic import SEEDED, others, record_drafts, same_drafts, serve
 
 # ---- the index ----
 
@@ -116,3 +119,33 @@ def test_power_no_residual_update_between_siblings(monkeypatch):
     monkeypatch.setattr(tree_sampler, "residual_distribution", lambda r, q: r)  # every sibling tried against p
     counts = sampled_run(suffix_tree(), SETTINGS[0], monkeypatch)
     assert p_value(counts, exact_joint(bigram_logits, SETTINGS[0])) < 1e-3
+
+
+# ---- seeded requests: their own tree only ----
+
+
+@pytest.mark.parametrize("name", [pytest.param("suffix", marks=pytest.mark.slow), "suffix-tree"])
+def test_a_seeded_request_drafts_the_same_alone_and_beside_others(name, tmp_path):
+    """A seeded request drafts from its own tree only: the same drafts and tokens alone and
+    after and beside other requests whose outputs fill the global tree; drafting from the
+    global tree too (the power check) changes its drafts."""
+    outputs, drafts = seeded_runs(name, tmp_path, own_only=True)
+    assert outputs["s-beside"] == outputs["s-alone"] == outputs["s-after"]
+    assert same_drafts(drafts["s-beside"], drafts["s-alone"]) and same_drafts(drafts["s-after"], drafts["s-alone"])
+    assert sum(len(d[0]) for d in drafts["s-alone"]) > 10
+    _, shared = seeded_runs(name, tmp_path, own_only=False)
+    assert not same_drafts(shared["s-beside"], shared["s-alone"])
+
+
+def seeded_runs(name: str, tmp_path, own_only: bool):
+    engine = build(name, tmp_path)
+    if not own_only:  # the power check: seeded requests read the global tree as the others do
+        sync = engine.drafter._sync
+        engine.drafter._sync = lambda request: (st := sync(request)) and st[:2] + [False]
+    drafts = record_drafts(engine)
+    out = serve(engine, [("s-alone", PROMPT, SEEDED)])
+    serve(engine, others("warm", 12))
+    out |= serve(engine, others("busy", 15) + [("s-beside", PROMPT, SEEDED)])
+    out |= serve(engine, [("s-after", PROMPT, SEEDED)])
+    check_no_lost_blocks(engine)
+    return out, drafts
