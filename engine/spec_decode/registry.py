@@ -22,6 +22,7 @@ DRAFTERS: dict[str, str] = {
     "ngram+eagle": "drafters.combined:build_ngram_eagle",
     "ngram+eagle3": "drafters.combined:build_ngram_eagle3",
     "suffix": "drafters.suffix:build",
+    "suffix+eagle3": "drafters.combined:build_suffix_eagle3",
 }
 
 
