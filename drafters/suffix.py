@@ -51,6 +51,12 @@ def glob_log2(max_cached: int) -> int:
     return min(19, max(12, (32 * max_cached - 1).bit_length())) if max_cached else 0
 
 
+@functools.lru_cache(maxsize=256)
+def _widths(shape: tuple[int, ...]) -> list[int]:
+    """``tree.max_widths`` of a template (the policy reuses a few templates: computed once each)."""
+    return tree.max_widths(shape)
+
+
 @functools.cache
 def _library():
     cc = compiler()
@@ -197,7 +203,7 @@ class SuffixDrafter(Drafter):
             if st is None:
                 continue
             k = slot.num_draft_tokens
-            widths = tree.max_widths(slot.shape[:k]) if slot.shape is not None else [1] * k
+            widths = _widths(slot.shape[:k]) if slot.shape is not None else [1] * k
             token_ids, parents, _, _ = self.index.speculate(
                 st[0], not st[2], k, widths, self.max_spec_factor, self.min_token_prob)
             if token_ids:

@@ -260,6 +260,32 @@ static int count_tree(const Hit *hits, int nh, int32_t depth, TNode *nodes) {
 
 typedef struct { float prob; int32_t node, parent, depth; } Item;
 
+static int better(const Item *a, const Item *b) { return a->prob > b->prob; }
+
+static void heap_push(Item *h, int *n, Item it) {
+    int i = (*n)++;
+    while (i > 0 && better(&it, &h[(i - 1) / 2])) {
+        h[i] = h[(i - 1) / 2];
+        i = (i - 1) / 2;
+    }
+    h[i] = it;
+}
+
+static Item heap_pop(Item *h, int *n) {
+    Item top = h[0], last = h[--(*n)];
+    int i = 0;
+    for (;;) {
+        int c = 2 * i + 1;
+        if (c >= *n) break;
+        if (c + 1 < *n && better(&h[c + 1], &h[c])) c++;
+        if (!better(&h[c], &last)) break;
+        h[i] = h[c];
+        i = c;
+    }
+    if (*n > 0) h[i] = last;
+    return top;
+}
+
 /* Best-first selection from the counted tree (see the header); returns the number of nodes. */
 static int select_tree(const TNode *nodes, int32_t max_nodes, const int32_t *widths, int32_t nwidths,
                        float min_prob, int32_t *out_tok, int32_t *out_par, float *out_prob, float *score) {
@@ -268,14 +294,10 @@ static int select_tree(const TNode *nodes, int32_t max_nodes, const int32_t *wid
     int nheap = 0, n = 0;
     *score = 0;
     for (int c = nodes[0].first; c >= 0; c = nodes[c].next)
-        heap[nheap++] = (Item){(float)nodes[c].count / (float)nodes[0].count, c, -1, 0};
+        heap_push(heap, &nheap, (Item){(float)nodes[c].count / (float)nodes[0].count, c, -1, 0});
     nkids[0] = 0;
     while (nheap && n < max_nodes) {
-        int best = 0;
-        for (int i = 1; i < nheap; i++)
-            if (heap[i].prob > heap[best].prob) best = i;
-        Item it = heap[best];
-        heap[best] = heap[--nheap];
+        Item it = heap_pop(heap, &nheap);
         if (it.prob < min_prob) break;  /* every other item is as unlikely */
         if (it.depth >= nwidths || nkids[it.parent + 1] >= widths[it.depth]) continue;
         nkids[it.parent + 1]++;
@@ -285,7 +307,8 @@ static int select_tree(const TNode *nodes, int32_t max_nodes, const int32_t *wid
         *score += it.prob;
         nkids[n + 1] = 0;
         for (int c = nodes[it.node].first; c >= 0 && nheap < MAX_OCC * MAX_DEPTH; c = nodes[c].next)
-            heap[nheap++] = (Item){it.prob * (float)nodes[c].count / (float)nodes[it.node].count, c, n, it.depth + 1};
+            heap_push(heap, &nheap,
+                      (Item){it.prob * (float)nodes[c].count / (float)nodes[it.node].count, c, n, it.depth + 1});
         n++;
     }
     return n;
@@ -317,6 +340,7 @@ int32_t sp_speculate(Store *st, uint32_t id, int32_t use_glob, int32_t max_nodes
         int32_t budget = (int32_t)(n * max_spec_factor + 1e-6f);
         budget = budget < max_nodes ? budget : max_nodes;
         int32_t depth = st->max_depth - n < nwidths ? st->max_depth - n : nwidths;
+        depth = depth < budget ? depth : budget;  /* a deeper node could not be taken */
         if (budget <= 0 || depth <= 0) continue;
         count_tree(hits, nh, depth, nodes);
         int32_t k = select_tree(nodes, budget, widths, depth, min_prob, tok_buf, par_buf, prob_buf, &score);
