@@ -213,8 +213,8 @@ def main() -> None:
            f"--max-tokens {args.max_tokens} --methods {args.methods}")
     if args.workloads:
         cmd += f" --workloads {args.workloads}"
+    plot(depths)  # first: the report's page lists the picture
     write_report("suffix", "Suffix decoding on agent-like traffic (greedy, default model)", body, cmd)
-    plot(depths)
 
 
 def speedup_lines(rows: list[list]) -> str:
