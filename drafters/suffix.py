@@ -52,9 +52,11 @@ def glob_log2(max_cached: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _widths(shape: tuple[int, ...]) -> list[int]:
-    """``tree.max_widths`` of a template (the policy reuses a few templates: computed once each)."""
-    return tree.max_widths(shape)
+def _widths(shape: tuple[int, ...] | None, k: int):
+    """``tree.max_widths`` of a template (one child per depth for a chain of ``k``), as a C
+    array and its length: the policy reuses a few templates, so each is computed once."""
+    widths = tree.max_widths(shape[:k])[:MAX_WIDTHS] if shape is not None else [1] * min(k, MAX_WIDTHS)
+    return (ctypes.c_int32 * len(widths))(*widths), len(widths)
 
 
 @functools.cache
@@ -146,13 +148,13 @@ class SuffixIndex:
     def match(self, sid: int, use_glob: bool) -> int:
         return self.lib.sp_match(self.handle, sid, int(use_glob))
 
-    def speculate(self, sid: int, use_glob: bool, max_nodes: int, widths: list[int], factor: float, min_prob: float):
-        """``(token_ids, parents, probs, pattern length)`` of the draft (see the C header)."""
-        max_nodes = min(max_nodes, MAX_NODES)
-        widths = widths[:MAX_WIDTHS]
-        w = (ctypes.c_int32 * len(widths))(*widths)
-        n = self.lib.sp_speculate(self.handle, sid, int(use_glob), max_nodes, w, len(widths), factor, min_prob,
-                                  self._tok, self._par, self._prob, ctypes.byref(self._match))
+    def speculate(self, sid: int, use_glob: bool, max_nodes: int, widths, factor: float, min_prob: float):
+        """``(token_ids, parents, probs, pattern length)`` of the draft (see the C header);
+        ``widths``: per depth, the most children of a node (a list, or ``_widths``' pair)."""
+        if isinstance(widths, list):
+            widths = ((ctypes.c_int32 * len(widths))(*widths[:MAX_WIDTHS]), min(len(widths), MAX_WIDTHS))
+        n = self.lib.sp_speculate(self.handle, sid, int(use_glob), min(max_nodes, MAX_NODES), widths[0], widths[1],
+                                  factor, min_prob, self._tok, self._par, self._prob, ctypes.byref(self._match))
         return list(self._tok[:n]), tuple(self._par[:n]), list(self._prob[:n]), self._match.value
 
     def memory_bytes(self) -> int:
@@ -203,9 +205,8 @@ class SuffixDrafter(Drafter):
             if st is None:
                 continue
             k = slot.num_draft_tokens
-            widths = _widths(slot.shape[:k]) if slot.shape is not None else [1] * k
             token_ids, parents, _, _ = self.index.speculate(
-                st[0], not st[2], k, widths, self.max_spec_factor, self.min_token_prob)
+                st[0], not st[2], k, _widths(slot.shape, k), self.max_spec_factor, self.min_token_prob)
             if token_ids:
                 out[slot.request.request_id] = Draft(token_ids, None, None if tree.is_chain(parents) else parents)
         return out

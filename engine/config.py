@@ -266,6 +266,6 @@ class SpeculativeConfig:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown speculative-config keys {sorted(unknown)}; known: {sorted(known)}")
-        if str(d.get("method", "")).startswith("suffix"):  # vLLM's defaults: drafts as deep as the tree, as trees
+        if d.get("method") == "suffix":  # vLLM's default: drafts as deep as the tree; and trees
             d = {"num_speculative_tokens": d.get("suffix_decoding_max_tree_depth", 24), "tree_width": 4, **d}
         return cls(**d)
