@@ -1,13 +1,15 @@
 """Suffix decoding on agent-like traffic: plain vs ngram vs suffix, at batch 1 and concurrent, greedy.
 
-    python -m bench suffix [--scale 1] [--concurrency 16] [--max-tokens 160]
+    python -m bench suffix [--scale 1] [--concurrency 16] [--max-tokens 128]
         [--methods plain,ngram,suffix] [--workloads agent-code,...] [--cost-requests 64]
 
 Workloads (bench/agent_workload.py, generated): agent loops editing one file or calling
 JSON tools turn after turn (each turn sends the conversation so far), repeated-task
 extraction to one schema, retries of identical requests, and a few Spec-Bench questions.
 One engine per method in this process, all on the default model's weights, run the same
-sessions in turn; a session's next turn starts when its previous answer ends. Figures:
+sessions in turn (at batch 1 session by session, concurrent workload by workload, the
+order rotated); a session's next turn starts when its previous answer ends; the
+concurrent runs take ``concurrency / 4`` times the sessions. Figures:
 output tokens per second (wall, prompts included) and the speedup over plain; mean
 acceptance length; whether every greedy text equals plain's. Then the suffix drafter's
 own cost at ``--cost-requests`` concurrent requests (its calls timed inside the steps),
@@ -20,7 +22,7 @@ import time
 from collections import defaultdict
 
 from bench.agent_workload import workloads
-from bench.common import RESULTS, markdown_table, write_report
+from bench.common import RESULTS, markdown_table, rotated, write_report
 
 METHODS = {
     "plain": None,
@@ -86,9 +88,20 @@ def acceptance(spec: list[dict]) -> tuple[float, list[float]]:
 
 
 def compare(engines: dict, sets: dict, concurrency: int, max_tokens: int) -> tuple[list[list], dict]:
+    """Per workload and method: tokens, tok/s, speedup over plain, acceptance, greedy = plain.
+    At batch 1 the methods take each session in turn (the order rotated session by session),
+    at higher concurrency each workload (rotated workload by workload), so that the load of
+    a shared machine falls on them alike."""
     rows, depths = [], defaultdict(dict)
-    for wname, sessions in sets.items():
-        runs = {m: run_sessions(e, sessions, concurrency, max_tokens) for m, e in engines.items()}
+    for w, (wname, sessions) in enumerate(sets.items()):
+        groups = [[s] for s in sessions] if concurrency == 1 else [sessions]
+        runs = {m: {"outputs": [], "seconds": 0.0, "spec": []} for m in engines}
+        for g, group in enumerate(groups):
+            for m in rotated(list(engines), g + w):
+                r = run_sessions(engines[m], group, concurrency, max_tokens)
+                for key in ("outputs", "spec"):
+                    runs[m][key] += r[key]
+                runs[m]["seconds"] += r["seconds"]
         plain = runs.get("plain")
         for m, r in runs.items():
             tokens = sum(len(t) for s in r["outputs"] for t in s)
@@ -179,7 +192,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scale", type=int, default=1, help="multiplies the sessions of each workload")
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--workloads", default=None, help="comma-separated subset")
     ap.add_argument("--cost-requests", type=int, default=64, help="concurrent requests of the cost measurement (0: none)")
@@ -193,8 +206,7 @@ def main() -> None:
         run_sessions(e, [["Say hello."]], 1, 8)
     rows, depths = compare(engines, sets, 1, args.max_tokens)
     if args.concurrency > 1:
-        big = {k: [s for _ in range(max(1, args.concurrency // len(v))) for s in v] for k, v in sets.items()
-               if k != "spec-bench"}
+        big = {k: v for k, v in workloads(max(1, args.concurrency // 4)).items() if k in sets and k != "spec-bench"}
         rows += compare(engines, big, args.concurrency, args.max_tokens)[0]
     body = markdown_table(["workload", "concurrent", "method", "tokens", "tok/s", "speedup", "mean acc. length",
                            "greedy = plain"], rows)
