@@ -35,7 +35,6 @@ from engine.spec_decode.drafter import Draft, Drafter, DraftSlot
 
 SOURCE = Path(__file__).with_name("suffix_tree.c")
 MAX_LIVE = 4096  # running requests indexed at once (more decode without drafts)
-OWN_LOG2 = 19  # own-table buckets (40 bytes each), shared by the running requests
 MAX_NODES = 256  # the C side's most nodes per draft
 MAX_WIDTHS = 64
 
@@ -67,7 +66,7 @@ def _library():
     lib = ctypes.CDLL(str(compile_library("suffix_tree", [SOURCE], cc, ("-O2", "-shared", "-fPIC"))))
     i32, u32, p = ctypes.c_int32, ctypes.c_uint32, ctypes.c_void_p
     sigs = {
-        "sp_create": ([i32, i32, i32, p, i32, i32], p),
+        "sp_create": ([i32, i32, p, i32, i32], p),
         "sp_destroy": ([p], None),
         "sp_memory": ([p], ctypes.c_int64),
         "sp_open": ([p, u32, i32, i32], i32),
@@ -91,7 +90,7 @@ class SuffixIndex:
         self.max_cached = max_cached
         self.nslots = MAX_LIVE + max_cached
         lens = (ctypes.c_int32 * len(self.lens))(*self.lens)
-        self.handle = self.lib.sp_create(self.nslots, OWN_LOG2, glob_log2(max_cached), lens, len(self.lens), max_depth)
+        self.handle = self.lib.sp_create(self.nslots, glob_log2(max_cached), lens, len(self.lens), max_depth)
         if not self.handle:
             raise MemoryError("suffix decoding: could not allocate its index")
         self.free_slots = deque(range(self.nslots))

@@ -1,14 +1,17 @@
-/* Suffix decoding's index (drafters/suffix.py): token sequences and two hashed n-gram tables.
+/* Suffix decoding's index (drafters/suffix.py): token sequences and hashed n-gram tables.
  *
  * A sequence is one request's tokens (prompt, then output). For every position p and every
  * pattern length n of `lens`, the n tokens ending at p are hashed and (sequence id, p) is
- * kept in a bucket of that hash: the `own` table keys by the n-gram and the sequence id (a
- * request's own prompt and output), the `glob` table by the n-gram alone, for the n-grams
- * that end in an output (recent requests' outputs, shared). A bucket keeps its most recent
- * occurrences (OWN_M, GLOB_M); a colliding n-gram takes the bucket over, and every
- * occurrence read is checked against the tokens, so the tables are fixed-size caches:
- * memory is theirs plus the tokens of the cached sequences, and an append costs
- * O(max length) per token whatever the history.
+ * kept in a bucket of that hash: in the sequence's own table (its prompt and output; private,
+ * so that what it finds there depends on its tokens alone), and in the global table for the
+ * n-grams that end in an output (recent requests' outputs, shared). A bucket keeps its most
+ * recent occurrences (OWN_M, GLOB_M), and every occurrence read is checked against the tokens.
+ * The global table has a fixed size, a colliding n-gram taking a bucket over (a cache of the
+ * recent outputs). An own table probes OWN_PROBE buckets from an n-gram's home, and grows
+ * with its sequence (fourfold, re-indexed, once its inserts exceed its buckets: amortized
+ * O(1) per token), so it loses next to nothing; it is freed when the request ends. Memory is the
+ * tables plus the tokens of the running and cached sequences; an append costs O(longest
+ * pattern) per token whatever the history.
  *
  * A draft (sp_speculate): for each pattern length n, shortest first while the context's last
  * n tokens occur, the continuations after the occurrences are counted into a prefix tree;
@@ -27,9 +30,12 @@
 #define MAX_LENS 32
 #define MAX_OCC (OWN_M + GLOB_M)
 #define MAX_DEPTH 64
+#define OWN_MIN_BUCKETS 256
+#define OWN_PROBE 4  /* own tables: buckets tried from an n-gram's home before it evicts the home one */
+#define OWN_MAX_BUCKETS (1 << 20)
 
 typedef struct { uint32_t id; int32_t pos; } Occ;  /* an n-gram ending at `pos` of sequence `id` */
-typedef struct { uint32_t check, next; Occ occ[OWN_M]; } OwnBucket;
+typedef struct { uint32_t check, next; int32_t pos[OWN_M]; } OwnBucket;  /* next == 0: empty */
 typedef struct { uint32_t check, next; Occ occ[GLOB_M]; } GlobBucket;
 
 typedef struct {
@@ -39,20 +45,26 @@ typedef struct {
     int32_t own_done, glob_done;  /* n-grams ending before these positions are indexed */
     int32_t global;     /* 1: its outputs go into the global table */
     uint32_t id;        /* 0: a free slot */
+    OwnBucket *own;     /* its own table (NULL once the request ended) */
+    uint64_t own_mask;
+    int64_t own_inserts;
 } Seq;
 
 typedef struct {
     Seq *seqs;
     int32_t nslots;
-    OwnBucket *own;
     GlobBucket *glob;  /* NULL: no global table */
-    uint64_t own_mask, glob_mask;
+    uint64_t glob_mask;
     int32_t lens[MAX_LENS], nlens, max_depth;
 } Store;
 
-static inline uint64_t mix(uint64_t h, uint64_t t) {
-    h = (h ^ (t + 0x9E3779B97F4A7C15ull)) * 0xBF58476D1CE4E5B9ull;
-    return h ^ (h >> 31);
+static inline uint64_t mix(uint64_t h, uint64_t t) {  /* MurmurHash3's finalizer over h and t */
+    uint64_t x = h * 0x9E3779B97F4A7C15ull + t + 1;
+    x ^= x >> 33;
+    x *= 0xFF51AFD7ED558CCDull;
+    x ^= x >> 33;
+    x *= 0xC4CEB9FE1A85EC53ull;
+    return x ^ (x >> 33);
 }
 
 static inline int32_t tok(const Seq *s, int32_t p) { return s->toks[p - s->base]; }
@@ -62,14 +74,11 @@ static Seq *seq_of(Store *st, uint32_t id) {
     return s->id == id ? s : NULL;
 }
 
-Store *sp_create(int32_t nslots, int32_t own_log2, int32_t glob_log2, const int32_t *lens, int32_t nlens,
-                 int32_t max_depth) {
+Store *sp_create(int32_t nslots, int32_t glob_log2, const int32_t *lens, int32_t nlens, int32_t max_depth) {
     Store *st = calloc(1, sizeof(Store));
     if (!st || nlens > MAX_LENS) return NULL;
     st->nslots = nslots;
     st->seqs = calloc((size_t)nslots, sizeof(Seq));
-    st->own = calloc((size_t)1 << own_log2, sizeof(OwnBucket));
-    st->own_mask = ((uint64_t)1 << own_log2) - 1;
     if (glob_log2 > 0) {
         st->glob = calloc((size_t)1 << glob_log2, sizeof(GlobBucket));
         st->glob_mask = ((uint64_t)1 << glob_log2) - 1;
@@ -81,9 +90,11 @@ Store *sp_create(int32_t nslots, int32_t own_log2, int32_t glob_log2, const int3
 }
 
 void sp_destroy(Store *st) {
-    for (int32_t i = 0; i < st->nslots; i++) free(st->seqs[i].toks);
+    for (int32_t i = 0; i < st->nslots; i++) {
+        free(st->seqs[i].toks);
+        free(st->seqs[i].own);
+    }
     free(st->seqs);
-    free(st->own);
     free(st->glob);
     free(st);
 }
@@ -91,9 +102,11 @@ void sp_destroy(Store *st) {
 /* Bytes held: the tables, the slots and the tokens of every sequence. */
 int64_t sp_memory(const Store *st) {
     int64_t total = sizeof(Store) + (int64_t)st->nslots * sizeof(Seq);
-    total += (int64_t)(st->own_mask + 1) * sizeof(OwnBucket);
     if (st->glob) total += (int64_t)(st->glob_mask + 1) * sizeof(GlobBucket);
-    for (int32_t i = 0; i < st->nslots; i++) total += (int64_t)st->seqs[i].cap * sizeof(int32_t);
+    for (int32_t i = 0; i < st->nslots; i++) {
+        const Seq *s = &st->seqs[i];
+        total += (int64_t)s->cap * sizeof(int32_t) + (s->own ? (int64_t)(s->own_mask + 1) * sizeof(OwnBucket) : 0);
+    }
     return total;
 }
 
@@ -105,7 +118,29 @@ int32_t sp_open(Store *st, uint32_t id, int32_t out_start, int32_t global) {
     s->id = id;
     s->out_start = out_start;
     s->global = global && st->glob != NULL;
-    return 0;
+    s->own = calloc(OWN_MIN_BUCKETS, sizeof(OwnBucket));
+    s->own_mask = OWN_MIN_BUCKETS - 1;
+    return s->own ? 0 : -2;
+}
+
+/* The own-table bucket of `key`: its own, else (create) an empty one within OWN_PROBE of its
+ * home, else the home bucket emptied for it; NULL when absent and not created. */
+static OwnBucket *own_bucket(Seq *s, uint64_t key, int create) {
+    uint32_t check = (uint32_t)(key >> 32);
+    for (uint64_t i = 0; i < OWN_PROBE; i++) {
+        OwnBucket *b = &s->own[(key + i) & s->own_mask];
+        if (b->next && b->check == check) return b;
+        if (!b->next) {
+            if (!create) return NULL;
+            b->check = check;
+            return b;
+        }
+    }
+    if (!create) return NULL;
+    OwnBucket *b = &s->own[key & s->own_mask];
+    b->check = check;
+    b->next = 0;
+    return b;
 }
 
 static void insert(uint32_t *check_p, uint32_t *next_p, Occ *occ, int m, uint32_t check, uint32_t id, int32_t pos) {
@@ -118,9 +153,10 @@ static void insert(uint32_t *check_p, uint32_t *next_p, Occ *occ, int m, uint32_
     (*next_p)++;
 }
 
-/* Indexes the n-grams ending at positions [from, to) into own (which = 0) or glob (1). */
+/* Indexes the n-grams ending at positions [from, to) into s's own table (which = 0) or the
+ * global one (1). */
 static void index_range(Store *st, Seq *s, int32_t from, int32_t to, int which) {
-    uint64_t salt = which ? 0 : mix(0x51ED270B27A4F6D1ull, s->id);
+    uint64_t salt = which ? 0 : 0x51ED270B27A4F6D1ull;
     int32_t longest = st->lens[st->nlens - 1];
     for (int32_t p = from; p < to; p++) {
         uint64_t h = 0;
@@ -135,11 +171,25 @@ static void index_range(Store *st, Seq *s, int32_t from, int32_t to, int which) 
                 GlobBucket *b = &st->glob[key & st->glob_mask];
                 insert(&b->check, &b->next, b->occ, GLOB_M, check, s->id, p);
             } else {
-                OwnBucket *b = &st->own[key & st->own_mask];
-                insert(&b->check, &b->next, b->occ, OWN_M, check, s->id, p);
+                OwnBucket *b = own_bucket(s, key, 1);
+                b->pos[b->next++ % OWN_M] = p;
+                s->own_inserts++;
             }
         }
     }
+}
+
+/* Four times the buckets, every n-gram indexed again (the table's content stays a function
+ * of the sequence's tokens alone). */
+static void grow_own(Store *st, Seq *s) {
+    uint64_t buckets = (s->own_mask + 1) * 4;
+    OwnBucket *own = calloc(buckets, sizeof(OwnBucket));
+    if (!own) return;  /* keep the smaller table */
+    free(s->own);
+    s->own = own;
+    s->own_mask = buckets - 1;
+    s->own_inserts = 0;
+    index_range(st, s, s->base, s->own_done, 0);
 }
 
 /* Appends `n` tokens to sequence `id` and indexes every n-gram that now has a continuation. */
@@ -156,8 +206,11 @@ int32_t sp_append(Store *st, uint32_t id, const int32_t *toks, int32_t n) {
     }
     memcpy(s->toks + (s->len - s->base), toks, sizeof(int32_t) * (size_t)n);
     s->len += n;
-    index_range(st, s, s->own_done, s->len - 1, 0);
-    s->own_done = s->len - 1 > s->own_done ? s->len - 1 : s->own_done;
+    if (s->own) {
+        index_range(st, s, s->own_done, s->len - 1, 0);
+        s->own_done = s->len - 1 > s->own_done ? s->len - 1 : s->own_done;
+        if (s->own_inserts > (int64_t)(s->own_mask + 1) && s->own_mask + 1 < OWN_MAX_BUCKETS) grow_own(st, s);
+    }
     if (s->global) {
         int32_t from = s->glob_done > s->out_start - 1 ? s->glob_done : s->out_start - 1;
         if (from < s->base) from = s->base;
@@ -182,6 +235,8 @@ int32_t sp_truncate(Store *st, uint32_t id, int32_t len) {
 void sp_close(Store *st, uint32_t id, int32_t keep, int32_t keep_before) {
     Seq *s = seq_of(st, id);
     if (!s) return;
+    free(s->own);
+    s->own = NULL;
     if (!keep || !s->global) {
         free(s->toks);
         memset(s, 0, sizeof(Seq));
@@ -211,13 +266,12 @@ static int same(const Seq *a, int32_t pa, const Seq *b, int32_t pb, int32_t n) {
 static int lookup(Store *st, const Seq *s, int32_t n, uint64_t h, int use_glob, Hit *hits) {
     int k = 0;
     int32_t end = s->len - 1;
-    uint64_t key = mix(h, mix(0x51ED270B27A4F6D1ull, s->id));
-    OwnBucket *ob = &st->own[key & st->own_mask];
-    if (ob->check == (uint32_t)(key >> 32)) {
+    uint64_t key = mix(h, 0x51ED270B27A4F6D1ull);
+    OwnBucket *ob = s->own ? own_bucket((Seq *)s, key, 0) : NULL;
+    if (ob) {
         for (uint32_t i = 0; i < ob->next && i < OWN_M; i++) {
-            Occ o = ob->occ[(ob->next - 1 - i) % OWN_M];  /* most recent first */
-            if (o.id == s->id && o.pos < end && o.pos - n + 1 >= s->base && same(s, o.pos, s, end, n))
-                hits[k++] = (Hit){s, o.pos};
+            int32_t pos = ob->pos[(ob->next - 1 - i) % OWN_M];  /* most recent first */
+            if (pos < end && pos - n + 1 >= s->base && same(s, pos, s, end, n)) hits[k++] = (Hit){s, pos};
         }
     }
     if (!use_glob || !st->glob) return k;
