@@ -1,7 +1,7 @@
 """Suffix decoding on agent-like traffic: plain vs ngram vs suffix, at batch 1 and concurrent, greedy.
 
     python -m bench suffix [--scale 1] [--concurrency 16] [--max-tokens 128]
-        [--methods plain,ngram,suffix] [--workloads agent-code,...] [--cost-requests 64]
+        [--methods plain,ngram,suffix,suffix-chain] [--workloads agent-code,...] [--cost-requests 64]
 
 Workloads (bench/agent_workload.py, generated): agent loops editing one file or calling
 JSON tools turn after turn (each turn sends the conversation so far), repeated-task
@@ -28,7 +28,9 @@ METHODS = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_max": 8},
     "suffix": {"method": "suffix"},
+    "suffix-chain": {"method": "suffix", "tree_width": 1},  # on request (--methods): chains only
 }
+DEFAULT_METHODS = "plain,ngram,suffix"
 
 
 def build_engines(methods: list[str]) -> dict:
@@ -193,7 +195,7 @@ def main() -> None:
     ap.add_argument("--scale", type=int, default=1, help="multiplies the sessions of each workload")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, of {', '.join(METHODS)}")
     ap.add_argument("--workloads", default=None, help="comma-separated subset")
     ap.add_argument("--cost-requests", type=int, default=64, help="concurrent requests of the cost measurement (0: none)")
     args = ap.parse_args()
