@@ -210,14 +210,15 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
-def _omit_none(name: str):
-    """A serializer that leaves ``name`` out while it is None (an extension field)."""
+def _omit_none(*names: str):
+    """A serializer that leaves each of ``names`` out while it is None (extension fields)."""
 
     @model_serializer(mode="wrap")
     def serialize(self, handler):
         data = handler(self)
-        if data.get(name) is None:
-            data.pop(name, None)
+        for name in names:
+            if data.get(name) is None:
+                data.pop(name, None)
         return data
 
     return serialize
@@ -244,8 +245,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension: sent only when asked
+    speculative_decoding_stats: dict | None = None  # vLLM's: --per-request-spec-decode-stats (server.spec_stats)
 
-    _serialize = _omit_none("prompt_logprobs")
+    _serialize = _omit_none("prompt_logprobs", "speculative_decoding_stats")
 
 
 class CompletionResponse(ChoiceList[CompletionChoice]):
@@ -319,6 +321,9 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    speculative_decoding_stats: dict | None = None  # vLLM's: --per-request-spec-decode-stats (server.spec_stats)
+
+    _serialize = _omit_none("speculative_decoding_stats")
 
 
 class ChatCompletionResponse(ChoiceList[ChatChoice]):
@@ -345,6 +350,9 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    speculative_decoding_stats: dict | None = None  # on the choice's terminal chunk (server.spec_stats)
+
+    _serialize = _omit_none("speculative_decoding_stats")
 
 
 class ChatCompletionChunk(ChoiceList[ChatStreamChoice]):

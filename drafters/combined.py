@@ -1,8 +1,10 @@
-"""``ngram+eagle`` / ``ngram+eagle3``: prompt lookup where it has paid, the EAGLE head elsewhere.
+"""``ngram+eagle`` / ``ngram+eagle3`` / ``suffix+eagle3``: a lookup drafter (prompt lookup, or
+suffix decoding) where it has paid, the EAGLE head elsewhere.
 
 Per request and step, before drafting (the choice sees only the committed context and
 past records, so verification stays exact): when the context has a suffix match of
-length n, prompt lookup drafts if its class n has so far emitted at least as many
+length n (the lookup drafter's context class, 1 and up), the lookup drafts if its class n
+has so far emitted at least as many
 tokens per unit of cost as the head has (a class with no record yet is tried: its
 drafts cost nothing); otherwise the head drafts. The choice is the context class the
 speculation policy keeps its statistics by: n for prompt lookup, ``EAGLE_CLASS`` (0)
@@ -21,8 +23,9 @@ from engine import tree
 from engine.spec_decode.drafter import Draft, Drafter, DraftSlot
 from drafters.eagle import EagleDrafter, eagle_factory, memory_needs  # noqa: F401 - the head's, for the registry
 from drafters.ngram import NgramDrafter
+from drafters.suffix import from_config as suffix_from_config
 
-EAGLE_CLASS = 0  # prompt lookup's classes are match lengths, 1 and up
+EAGLE_CLASS = 0  # the lookup drafters' classes are match lengths, 1 and up
 EMA = 0.1
 
 
@@ -46,8 +49,8 @@ class _Record:
 class CombinedDrafter(Drafter):
     deterministic = False
 
-    def __init__(self, ngram: NgramDrafter, eagle: EagleDrafter):
-        self.ngram, self.eagle = ngram, eagle
+    def __init__(self, lookup: Drafter, eagle: EagleDrafter):
+        self.lookup, self.eagle = lookup, eagle  # lookup: deterministic, context classes >= 1
         self.cost_per_token = eagle.cost_per_token  # the policy prices every class at the head's cost
         self.feature_layers = eagle.feature_layers
         self.records: dict[int, _Record] = {}  # pooled over the requests
@@ -56,7 +59,7 @@ class CombinedDrafter(Drafter):
         self.proposed: dict[str, tuple[int, int, Draft]] = {}  # id -> (class, num_tokens, drafts)
 
     def context_class(self, request) -> int | None:
-        m = self.ngram.context_class(request)
+        m = self.lookup.context_class(request)
         head = self.eagle.context_class(request)
         if m is not None and (head is None or self._lookup_pays(m, self._records(request))):
             key = m
@@ -82,7 +85,7 @@ class CombinedDrafter(Drafter):
     def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
         by_head = [s for s in slots if self.choice.get(s.request.request_id) == EAGLE_CLASS]
         by_lookup = [s for s in slots if self.choice.get(s.request.request_id, EAGLE_CLASS) != EAGLE_CLASS]
-        drafts = {**self.ngram.propose(by_lookup), **self.eagle.propose(by_head)}
+        drafts = {**self.lookup.propose(by_lookup), **self.eagle.propose(by_head)}
         for s in slots:
             rid = s.request.request_id
             if rid in drafts:
@@ -100,18 +103,18 @@ class CombinedDrafter(Drafter):
             self.records.setdefault(key, _Record()).update(len(draft.token_ids), accepted)
             if request.params.seed is not None:
                 self._records(request).setdefault(key, _Record()).update(len(draft.token_ids), accepted)
-        self.ngram.commit(request)
+        self.lookup.commit(request)
         self.eagle.commit(request)
 
     def rollback(self, request) -> None:
         self.proposed.pop(request.request_id, None)
-        self.ngram.rollback(request)
+        self.lookup.rollback(request)
         self.eagle.rollback(request)
 
     def free(self, request_id: str) -> None:
         for table in (self.choice, self.proposed, self.own):
             table.pop(request_id, None)
-        self.ngram.free(request_id)
+        self.lookup.free(request_id)
         self.eagle.free(request_id)
 
 
@@ -121,14 +124,18 @@ def _accepted(draft: Draft, new: list[int]) -> int:
     return sum(rank is not None for _, rank in tree.walk(draft.token_ids, parents, new))
 
 
-def _build(kind: str):
+def _build(lookup: str, kind: str):
     def factory(spec, **context) -> CombinedDrafter:
-        ngram = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        return CombinedDrafter(ngram, eagle_factory(kind)(spec, **context))
+        if lookup == "suffix":
+            drafter = suffix_from_config(spec)
+        else:
+            drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return CombinedDrafter(drafter, eagle_factory(kind)(spec, **context))
 
-    factory.__doc__ = f"Prompt lookup where its context class has paid, an {kind} head elsewhere."
+    factory.__doc__ = f"{lookup} where its context class has paid, an {kind} head elsewhere."
     return factory
 
 
-build_ngram_eagle = _build("eagle")  # the registry's names (engine.spec_decode.registry)
-build_ngram_eagle3 = _build("eagle3")
+build_ngram_eagle = _build("ngram", "eagle")  # the registry's names (engine.spec_decode.registry)
+build_ngram_eagle3 = _build("ngram", "eagle3")
+build_suffix_eagle3 = _build("suffix", "eagle3")

@@ -195,9 +195,16 @@ class SpeculativeConfig:
     tree_width: int = 1
     max_tree_nodes: int = 16
     speculative_token_tree: list | str | None = None
+    # suffix (drafters.suffix), vLLM's keys: the trees' depth (pattern + drafts), finished requests whose
+    # outputs stay in the global tree (0: none), drafts per matched pattern token, least draft probability.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self):
         check_quantization(self.quantization)
+        self._check_suffix()
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
         if self.tree_width < 1 or self.max_tree_nodes < 1:
@@ -206,6 +213,16 @@ class SpeculativeConfig:
             if self.method == "ngram":
                 raise ValueError('"speculative_token_tree" is for model drafters; ngram grows trees from "tree_width"')
             self._check_tree_depth(self.static_tree())  # validates
+
+    def _check_suffix(self) -> None:
+        if not 2 <= self.suffix_decoding_max_tree_depth <= 64:
+            raise ValueError("suffix_decoding_max_tree_depth must be in [2, 64]")
+        if self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("suffix_decoding_max_cached_requests must be 0 (no global tree) or more")
+        if not self.suffix_decoding_max_spec_factor > 0:
+            raise ValueError("suffix_decoding_max_spec_factor must be positive")
+        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError("suffix_decoding_min_token_prob must be in [0, 1]")
 
     def _check_tree_depth(self, parents: tuple[int, ...]) -> None:
         """A round accepts at most ``num_speculative_tokens`` drafts: the policy's records and
@@ -249,4 +266,6 @@ class SpeculativeConfig:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown speculative-config keys {sorted(unknown)}; known: {sorted(known)}")
+        if d.get("method") == "suffix":  # vLLM's default: drafts as deep as the tree; and trees
+            d = {"num_speculative_tokens": d.get("suffix_decoding_max_tree_depth", 24), "tree_width": 4, **d}
         return cls(**d)

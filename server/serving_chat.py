@@ -38,6 +38,7 @@ from server.logprobs import TokenDecoder, chat_logprobs, vllm_prompt_logprobs
 from server.params import choice_params, unsupported
 from server.responses import ChoiceResult, respond
 from server.serving import ServingEngine
+from server.spec_stats import SpecStats
 from server.tool_calls import CallStream
 from server.tools import Tools, render_call_history, request_tools, tool_instruction
 
@@ -46,6 +47,7 @@ class ChatServing:
     def __init__(self, serving: ServingEngine):
         self.serving = serving
         self.decode = TokenDecoder(serving.tokenizer)
+        self.spec_stats = SpecStats.of(serving)
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model = self.serving.check_model(req.model)
@@ -61,7 +63,7 @@ class ChatServing:
         gen = await self.serving.submit(cid, [(ids, p) for p in params])
         gen.watch_disconnect(raw.receive)
         view = _View(cid, model, n, len(ids), self.decode, bool(req.logprobs), req.prompt_logprobs,
-                     req.include_usage, tools)
+                     req.include_usage, tools, self.spec_stats)
         return await respond(gen, view, bool(req.stream))
 
     def _prompt_ids(self, messages: list[ChatMessage], tools: Tools | None) -> list[int]:
@@ -148,11 +150,12 @@ class _View:
     """
 
     def __init__(self, cid, model, n, num_prompt_tokens, decode, want_logprobs, prompt_logprobs, include_usage,
-                 tools=None):
+                 tools=None, spec_stats: SpecStats | None = None):
         self.cid, self.model, self.num_prompt_tokens = cid, model, num_prompt_tokens
         self.decode, self.want_logprobs, self.include_usage = decode, want_logprobs, include_usage
         self.prompt_logprobs = prompt_logprobs  # top-N asked (vLLM's extra), or None
         self.tools: Tools | None = tools
+        self.spec_stats = spec_stats
         self.created = int(time.time())
         self.started = [False] * n
         self.completion_tokens = [0] * n
@@ -175,7 +178,7 @@ class _View:
         if text or (self.want_logprobs and logprobs):
             yield self._chunk(index, DeltaMessage(content=text), self._logprobs(logprobs))
         if out.finished:
-            yield self._chunk(index, DeltaMessage(), finish_reason=out.finish_reason)
+            yield self._chunk(index, DeltaMessage(), finish_reason=out.finish_reason, stats=self._stats(out.spec))
 
     def _render_calls(self, index: int, out: RequestOutput):
         """Tool-call pieces of this delta; returns (None, None) when the delta is done, or the
@@ -192,7 +195,8 @@ class _View:
                 yield self._chunk(index, DeltaMessage(tool_calls=[piece]), self._logprobs(logprobs) if i == 0 else None)
             if out.finished:
                 reason = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
-                yield self._chunk(index, DeltaMessage(), None if pieces else self._logprobs(logprobs), reason)
+                yield self._chunk(index, DeltaMessage(), None if pieces else self._logprobs(logprobs), reason,
+                                  stats=self._stats(out.spec))
             return None, None
         if not (out.finished or stream.rejected or not could_be_call(self.tools, stream.text)):
             self.held_logprobs[index] = logprobs
@@ -214,8 +218,12 @@ class _View:
             )
             yield sse_chunk(chunk, include_usage=True)
 
-    def _chunk(self, index, delta, logprobs=None, finish_reason=None) -> str:
-        choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+    def _stats(self, spec: dict) -> dict | None:
+        return self.spec_stats.of_choice(spec) if self.spec_stats else None
+
+    def _chunk(self, index, delta, logprobs=None, finish_reason=None, stats=None) -> str:
+        choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
+                                  speculative_decoding_stats=stats)
         chunk = ChatCompletionChunk(id=self.cid, created=self.created, model=self.model, choices=[choice])
         return sse_chunk(chunk, include_usage=self.include_usage)
 
@@ -226,7 +234,7 @@ class _View:
             message = ChatResponseMessage(content=None, tool_calls=calls) if calls else ChatResponseMessage(content=r.text)
             choices.append(ChatChoice(
                 index=i, message=message, logprobs=self._logprobs(r.logprobs),
-                finish_reason="tool_calls" if calls else r.finish_reason,
+                finish_reason="tool_calls" if calls else r.finish_reason, speculative_decoding_stats=self._stats(r.spec),
             ))
         usage = self._usage(sum(r.num_output_tokens for r in results), [r.spec for r in results])
         prompt_lp = None  # the choices share the prompt: vLLM sends its logprobs once

@@ -32,6 +32,7 @@ from server.logprobs import TokenDecoder, completion_logprobs, echo_logprobs, vl
 from server.params import choice_params
 from server.responses import ChoiceResult, respond
 from server.serving import ServingEngine
+from server.spec_stats import SpecStats
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for legacy completions
 
@@ -40,6 +41,7 @@ class CompletionServing:
     def __init__(self, serving: ServingEngine):
         self.serving = serving
         self.decode = TokenDecoder(serving.tokenizer)
+        self.spec_stats = SpecStats.of(serving)
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         model = self.serving.check_model(req.model)
@@ -53,7 +55,8 @@ class CompletionServing:
         gen = await self.serving.submit(cid, [(ids, p) for ids in prompts for p in params])
         gen.watch_disconnect(raw.receive)
         echo = [self._prompt_text(req.prompt, i, ids) for i, ids in enumerate(prompts)] if req.echo else None
-        view = _View(cid, model, n, prompts, echo, self.decode, req.logprobs, req.prompt_logprobs, req.include_usage)
+        view = _View(cid, model, n, prompts, echo, self.decode, req.logprobs, req.prompt_logprobs, req.include_usage,
+                     self.spec_stats)
         return await respond(gen, view, bool(req.stream))
 
     def _prompt_ids(self, prompt) -> list[list[int]]:
@@ -77,9 +80,10 @@ class CompletionServing:
 class _View:
     """Renders one request's engine deltas as OpenAI completion objects."""
 
-    def __init__(self, cid, model, n, prompts, echo, decode, logprobs, prompt_logprobs, include_usage):
+    def __init__(self, cid, model, n, prompts, echo, decode, logprobs, prompt_logprobs, include_usage,
+                 spec_stats: SpecStats | None = None):
         self.cid, self.model, self.n, self.prompts, self.echo = cid, model, n, prompts, echo
-        self.decode, self.include_usage = decode, include_usage
+        self.decode, self.include_usage, self.spec_stats = decode, include_usage, spec_stats
         self.logprobs, self.prompt_logprobs = logprobs, prompt_logprobs  # top-N asked, or None
         self.created = int(time.time())
         k = len(prompts) * n
@@ -117,7 +121,8 @@ class _View:
         logprobs, self.offsets[index] = self._logprobs(index, self.offsets[index], lps, prompt_lps)
         if not (text or out.new_token_ids or out.finished):
             return
-        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason)
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
+                                  speculative_decoding_stats=self._stats(out.spec) if out.finished else None)
         yield sse_chunk(self._response([choice]), include_usage=self.include_usage)
 
     def tail(self):
@@ -134,10 +139,13 @@ class _View:
             choices.append(
                 CompletionChoice(
                     index=i, text=self._echo(i) + r.text, logprobs=lp, finish_reason=r.finish_reason,
-                    prompt_logprobs=prompt_lp,
+                    prompt_logprobs=prompt_lp, speculative_decoding_stats=self._stats(r.spec),
                 )
             )
         return self._response(choices, self._usage(sum(r.num_output_tokens for r in results), [r.spec for r in results]))
+
+    def _stats(self, spec: dict) -> dict | None:
+        return self.spec_stats.of_choice(spec) if self.spec_stats else None
 
     def _usage(self, completion_tokens: int, spec: list[dict]) -> Usage:
         prompt_tokens = sum(len(p) for p in self.prompts)

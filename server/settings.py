@@ -63,6 +63,10 @@ class ServerSettings(BaseSettings):
     headless: bool = Field(
         False, description="run this node's tensor-parallel workers only, no HTTP server (nodes 1 .. nnodes - 1)"
     )
+    per_request_spec_decode_stats: Literal["none", "summary", "detailed"] = Field(
+        "none", description="speculative_decoding_stats on each choice (the terminal chunk when streaming): summary "
+        "(acceptance length and rate, histogram, counts) or detailed (also per step accepted and drafted)"
+    )
     # -- KV cache and scheduler (engine) --
     block_size: int = Field(16, gt=0, description="tokens per KV-cache block")
     kv_cache_memory_bytes: int = Field(1 << 30, gt=0, description="KV-cache budget in bytes on the CPU")

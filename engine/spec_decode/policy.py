@@ -168,6 +168,8 @@ class SpecState:
     num_drafts: int = 0  # rounds that verified at least one draft
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    per_step_drafted: list[int] = field(default_factory=list)  # per verified round (server.spec_stats)
+    per_step_accepted: list[int] = field(default_factory=list)
 
     def add_round(self, num_draft_tokens: int, num_accepted: int) -> None:
         """Counts a verified round (none when nothing was drafted)."""
@@ -175,6 +177,8 @@ class SpecState:
             self.num_drafts += 1
             self.num_draft_tokens += num_draft_tokens
             self.num_accepted_tokens += num_accepted
+            self.per_step_drafted.append(num_draft_tokens)
+            self.per_step_accepted.append(num_accepted)
 
     def summary(self) -> dict:
         mean = 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
@@ -183,6 +187,8 @@ class SpecState:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "mean_acceptance_length": round(mean, 4),
+            "per_step_drafted": list(self.per_step_drafted),
+            "per_step_accepted": list(self.per_step_accepted),
         }
 
 

@@ -24,6 +24,8 @@ DRAFTERS: dict[str, str] = {
     "eagle3": "drafters.eagle:build_eagle3",
     "ngram+eagle": "drafters.combined:build_ngram_eagle",
     "ngram+eagle3": "drafters.combined:build_ngram_eagle3",
+    "suffix": "drafters.suffix:build",
+    "suffix+eagle3": "drafters.combined:build_suffix_eagle3",
 }
 
 # The methods whose drafter loads weights from the config's ``model`` (a draft model or an EAGLE head).

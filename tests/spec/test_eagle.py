@@ -179,12 +179,16 @@ def test_a_reduced_vocabulary_drafts_only_its_tokens(tmp_path):
     assert allowed.sum() == 5
 
 
-@pytest.mark.parametrize("tree", [{}, TREE], ids=["chain", "tree"])
-def test_the_combination_is_exact_and_uses_both_drafters(tmp_path, tree):
+@pytest.mark.parametrize("method, tree", [
+    pytest.param("ngram+eagle3", {}, id="ngram-chain"), pytest.param("ngram+eagle3", TREE, id="ngram-tree"),
+    pytest.param("suffix+eagle3", {}, id="suffix-chain", marks=pytest.mark.slow),
+    pytest.param("suffix+eagle3", TREE, id="suffix-tree"),
+])
+def test_the_combination_is_exact_and_uses_both_drafters(tmp_path, tree, method):
     model = small_target()
     head = write_random_head(model, "eagle3", tmp_path / "h", draft_vocab=12)
-    engine = eagle_engine(model, "ngram+eagle3", head, **tree)
-    used, propose = {"ngram": 0, "eagle": 0}, {n: getattr(engine.drafter, n).propose for n in ("ngram", "eagle")}
+    engine = eagle_engine(model, method, head, **tree)
+    used, propose = {"lookup": 0, "eagle": 0}, {n: getattr(engine.drafter, n).propose for n in ("lookup", "eagle")}
     for name in used:
         def count(slots, name=name):
             used[name] += len(slots)
@@ -192,7 +196,7 @@ def test_the_combination_is_exact_and_uses_both_drafters(tmp_path, tree):
         setattr(getattr(engine.drafter, name), "propose", count)
     prompts = PROMPTS + [[5, 6, 7, 8] * 6]  # repetitive: prompt lookup matches
     assert run(engine, prompts) == run(eagle_engine(model), prompts)
-    assert used["ngram"] > 0 and used["eagle"] > 0
+    assert used["lookup"] > 0 and used["eagle"] > 0
 
 
 def test_the_combination_counts_a_trees_accepted_branch():
@@ -216,9 +220,9 @@ def test_the_combination_picks_by_past_records(tmp_path):
     drafter = engine.drafter
     req = engine.add_request("r", list(range(16)), greedy(8))
     engine.step()  # prefill: the head has the prompt's features; every token occurred before
-    assert drafter.ngram.context_class(req) is not None
-    assert drafter.context_class(req) == drafter.ngram.context_class(req)  # no record yet: lookup is tried
-    n = drafter.ngram.context_class(req)
+    assert drafter.lookup.context_class(req) is not None
+    assert drafter.context_class(req) == drafter.lookup.context_class(req)  # no record yet: lookup is tried
+    n = drafter.lookup.context_class(req)
     drafter.records[n] = _Record(drafted=4.0, accepted=0.0, rounds=10)
     drafter.records[EAGLE_CLASS] = _Record(drafted=3.0, accepted=2.0, rounds=10)
     assert drafter.context_class(req) == EAGLE_CLASS
@@ -239,7 +243,7 @@ def test_a_seeded_request_picks_by_its_own_records_only(tmp_path):
     seeded = engine.add_request("s", list(range(16)), SamplingParams(max_tokens=8, temperature=1.0, seed=3))
     plain = engine.add_request("u", list(range(16)), SamplingParams(max_tokens=8, temperature=1.0))
     engine.step()  # prefill: the head has the prompts' features; every token occurred before
-    n = drafter.ngram.context_class(seeded)
+    n = drafter.lookup.context_class(seeded)
     drafter.records[n] = _Record(drafted=4.0, accepted=0.0, rounds=10)
     drafter.records[EAGLE_CLASS] = _Record(drafted=3.0, accepted=2.0, rounds=10)
     assert drafter.context_class(plain) == EAGLE_CLASS

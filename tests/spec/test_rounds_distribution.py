@@ -76,13 +76,13 @@ def test_eagle_rounds_emit_the_target_distribution():
 def test_ngram_eagle_rounds_emit_the_target_distribution():
     target = tiny_llama()
     drafter = ngram_eagle3(target)
-    used = {"ngram": 0, "eagle": 0}
+    used = {"lookup": 0, "eagle": 0}
     for name in used:
         propose = getattr(drafter, name).propose
         setattr(getattr(drafter, name), "propose", lambda slots, name=name, propose=propose: (
             used.__setitem__(name, used[name] + len(slots)) or propose(slots)))
     outputs = sampled_outputs(target, drafter, NUM_EAGLE)
-    assert used["ngram"] > NUM_EAGLE // 10 and used["eagle"] > NUM_EAGLE // 10  # both drafted, often
+    assert used["lookup"] > NUM_EAGLE // 10 and used["eagle"] > NUM_EAGLE // 10  # both drafted, often
     assert conditional_p_value(outputs, llama_logits(target), T1) > 1e-3
 
 
