@@ -37,10 +37,10 @@ KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the formats t
 
 def compile_flags() -> tuple[str, ...]:
     """The CPU kernels' flags, plus F16C, and VNNI where the CPU has it (AVX-512 VNNI with
-    the AVX-512 build, else AVX-VNNI)."""
+    the AVX-512 build, in 512-bit vectors where it has AVX-512 BW too; else AVX-VNNI)."""
     flags, cpu = cpu_kernels.compile_flags() + ("-mf16c",), cpu_kernels.cpu_flags()
     if "-mavx512f" in flags and " avx512_vnni" in cpu and " avx512vl" in cpu:
-        return flags + ("-mavx512vl", "-mavx512vnni")
+        return flags + ("-mavx512vl", "-mavx512vnni") + (("-mavx512bw",) if " avx512bw" in cpu else ())
     if " avx_vnni" in cpu and os.environ.get("SPECSERVE_CPU_VNNI", "1") != "0":
         return flags + ("-mavxvnni",)
     return flags

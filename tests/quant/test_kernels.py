@@ -68,12 +68,13 @@ def test_every_format_matches_its_dequantized_weights(kind, rows):
 
 @pytest.mark.parametrize("kind", quant.KERNEL_TYPES)
 def test_a_row_is_the_same_bits_whatever_the_batch(kind):
-    """What greedy speculation needs: row i alone, in batches of every size 1..64 and with one or
-    two threads, gives the same bits."""
+    """What greedy speculation needs: row i alone, in batches of every size 1..72 (tiles of
+    up to 8 rows and their remainders, past one row block of 64) and with one or two threads,
+    gives the same bits; 16 chunks of 32 inputs each."""
     args = quant.LinearArgs((weight(kind, rows=45),))
-    x = torch.randn(64, 512)
-    alone = torch.stack([quant.linear(x[i : i + 1], args)[0] for i in range(64)])
-    for m in range(1, 65):
+    x = torch.randn(72, 512)
+    alone = torch.stack([quant.linear(x[i : i + 1], args)[0] for i in range(72)])
+    for m in range(1, 73):
         assert torch.equal(quant.linear(x[:m], args), alone[:m])
     threads = torch.get_num_threads()
     try:
@@ -81,6 +82,17 @@ def test_a_row_is_the_same_bits_whatever_the_batch(kind):
         assert torch.equal(quant.linear(x, args), alone)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kind", quant.KERNEL_TYPES)
+def test_a_group_of_eight_weight_rows_is_the_same_bits_beside_another_or_alone(kind):
+    """The AVX-512 build runs two groups of 8 weight rows side by side, and a last odd group
+    alone: a weight row's outputs do not depend on which."""
+    w = weight(kind, rows=16)
+    halves = [quant.QuantWeight(kind, w.data[i : i + 8].contiguous(), w.in_features) for i in (0, 8)]
+    x = torch.randn(11, 512)
+    together = quant.linear(x, quant.LinearArgs((w,)))
+    assert torch.equal(together, torch.cat([quant.linear(x, quant.LinearArgs((h,))) for h in halves], dim=1))
 
 
 def test_stacked_parts_of_mixed_formats_equal_their_separate_products():
@@ -106,8 +118,9 @@ def test_merge_joins_adjacent_parts_of_one_format_only():
     assert [(p.kind, p.out_features) for p in merged] == [("Q4_1", 12), ("Q6_K", 4)]
 
 
-@pytest.mark.parametrize("extra", [("-mavx512f",), ("-mavx512f", "-mavx512vl", "-mavx512vnni"), ("-mavxvnni",)],
-                         ids=["avx512", "avx512-vnni", "avx-vnni"])
+@pytest.mark.parametrize("extra", [("-mavx512f",), ("-mavx512f", "-mavx512vl", "-mavx512vnni"),
+                                   ("-mavx512f", "-mavx512vl", "-mavx512vnni", "-mavx512bw"), ("-mavxvnni",)],
+                         ids=["avx512", "avx512-vnni-256", "avx512-vnni-512", "avx-vnni"])
 def test_the_other_cpus_builds_compile(extra):
     """The AVX-512 build and the dpbusd paths compile and load (this CPU may not run them; where
     it does, the tests above run on them: ``quant.compile_flags``)."""

@@ -28,6 +28,11 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 }; /* GGMLQ
 
 #define ROW_BLOCK 64 /* input rows whose codes stay in L2 while the weights stream past */
 #define INLINE static inline __attribute__((always_inline))
+#ifndef UNROLL_ROWS
+#define UNROLL_ROWS 8
+#endif
+#define PRAGMA(x) _Pragma(#x)
+#define UNROLL(n) PRAGMA(GCC unroll n) /* a tile's rows: their accumulators stay in registers */
 
 /* ---- activations ---------------------------------------------------------------------- */
 
@@ -168,37 +173,59 @@ static inline __m256i broadcast4(const int8_t *x) {
     return _mm256_set1_epi32(four);
 }
 
-/* Quads lo .. hi - 1 against a row's 32 codes ``x``. Without VNNI, nibbles' products add up in
- * 16 bits first (8 quads: at most 8 * 2 * 15 * 127 = 30480 a lane), one madd for them all. */
-INLINE __m256i quads(int kind, const chunk_t *w, const int8_t *x, int lo, int hi) {
-    __m256i acc = _mm256_setzero_si256();
+/* Quads lo .. hi - 1 against a row's 32 codes ``x``, in ``split`` independent sums (a short
+ * dependency chain where few rows run; any split gives the same exact integers). Without
+ * VNNI, nibbles' products add up in 16 bits first (8 quads: at most 8 * 2 * 15 * 127 = 30480
+ * a lane), one madd for them all. */
+INLINE __m256i quads(int kind, const chunk_t *w, const int8_t *x, int lo, int hi, int split) {
+    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
 #if !defined(__AVX512VNNI__) && !defined(__AVXVNNI__)
     if (kind == U4) {
-        for (int j = lo; j < hi; j++) acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(w->q[j], broadcast4(x + 4 * j)));
-        return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
+        for (int j = lo; j < hi; j++)
+            acc[j % split] = _mm256_add_epi16(acc[j % split], _mm256_maddubs_epi16(w->q[j], broadcast4(x + 4 * j)));
+        for (int i = 1; i < split; i++) acc[0] = _mm256_add_epi16(acc[0], acc[i]);
+        return _mm256_madd_epi16(acc[0], _mm256_set1_epi16(1));
     }
 #endif
-    for (int j = lo; j < hi; j++) acc = quad(kind, w, j, broadcast4(x + 4 * j), acc);
-    return acc;
+    for (int j = lo; j < hi; j++) acc[j % split] = quad(kind, w, j, broadcast4(x + 4 * j), acc[j % split]);
+    if (split == 4) acc[0] = _mm256_add_epi32(acc[0], acc[2]), acc[1] = _mm256_add_epi32(acc[1], acc[3]);
+    return split > 1 ? _mm256_add_epi32(acc[0], acc[1]) : acc[0];
 }
 
-/* Rows r0 .. r0 + R - 1 (R <= 4, a constant where it is inlined) against one group of 8
- * weight rows, written to y[r * ldy + o] for its first ``valid`` rows. */
+#if defined(__AVX512F__)
+#define TILE 8 /* rows a tile holds: 32 vector registers */
+#else
+#define TILE 4 /* 16 */
+#endif
+#ifndef PREFETCH
+#define PREFETCH 1024
+#endif /* PREFETCH: bytes ahead of the chunk read: the panels stream from memory */
+
+/* Rows r0 .. r0 + R - 1 (R <= TILE, a constant where it is inlined) against one group of 8
+ * weight rows, written to y[r * ldy + o] for its first ``valid`` rows: each chunk is unpacked
+ * once and meets every row of the tile while it sits in registers. */
 INLINE void tile(int fmt, const uint8_t *group, int64_t K, const int8_t *xq, const float *dx, const float *isum,
                  int R, float *y, int64_t ldy, int valid) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    int kind = codes_of(fmt);
+    __m256 acc[TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    int kind = codes_of(fmt), split = R == 1 ? 4 : R == 2 ? 2 : 1;
+    int64_t stride = chunk_bytes(fmt) + header_bytes(fmt) / 8;
     for (int64_t c = 0; c < K / 32; c++) {
+        _mm_prefetch((const char *)group + c * stride + PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)group + c * stride + PREFETCH + 64, _MM_HINT_T0);
+        if (stride > 128) _mm_prefetch((const char *)group + c * stride + PREFETCH + 128, _MM_HINT_T0);
+        if (stride > 192) _mm_prefetch((const char *)group + c * stride + PREFETCH + 192, _MM_HINT_T0);
         chunk_t w;
         load_chunk(fmt, group, c, &w);
+        UNROLL(UNROLL_ROWS)
         for (int r = 0; r < R; r++) {
             const int8_t *x = xq + r * K + c * 32;
             __m256 t;
             if (fmt == Q6_K) {
-                t = _mm256_mul_ps(_mm256_cvtepi32_ps(quads(kind, &w, x, 0, 4)), w.scale);
-                t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quads(kind, &w, x, 4, 8)), w.scale_b, t);
+                t = _mm256_mul_ps(_mm256_cvtepi32_ps(quads(kind, &w, x, 0, 4, split)), w.scale);
+                t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quads(kind, &w, x, 4, 8, split)), w.scale_b, t);
             } else {
-                t = _mm256_mul_ps(_mm256_cvtepi32_ps(quads(kind, &w, x, 0, 8)), w.scale);
+                t = _mm256_mul_ps(_mm256_cvtepi32_ps(quads(kind, &w, x, 0, 8, split)), w.scale);
                 t = _mm256_fmadd_ps(w.min, _mm256_set1_ps(isum[r * (K / 32) + c]), t);
             }
             acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(dx[r * (K / 32) + c]), acc[r]);
@@ -215,32 +242,124 @@ INLINE void tile(int fmt, const uint8_t *group, int64_t K, const int8_t *xq, con
     }
 }
 
-/* Every row of one row block against group g. */
-INLINE void group(int fmt, const uint8_t *w, int64_t g, int64_t N, const int8_t *xq, const float *dx,
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* Two groups side by side in the 16 lanes of 512-bit vectors: one broadcast of a row's codes
+ * and one dpbusd per quad serve 16 weight rows. Each lane runs the 8-lane path's operations in
+ * its order, so a group gives the same bits here as alone. */
+#define WIDE 1
+
+typedef struct {
+    __m512i q[8], sign[8];
+    __m512 scale, scale_b, min;
+} chunk2_t;
+
+static inline __m512i join_i(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+
+static inline __m512 join_f(__m256 a, __m256 b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(a)), _mm256_castps_pd(b), 1));
+}
+
+INLINE void load_chunk2(int fmt, const uint8_t *g0, const uint8_t *g1, int64_t c, chunk2_t *w) {
+    chunk_t a, b;
+    load_chunk(fmt, g0, c, &a);
+    load_chunk(fmt, g1, c, &b);
+    for (int j = 0; j < 8; j++) {
+        w->q[j] = join_i(a.q[j], b.q[j]);
+        if (codes_of(fmt) == S8) w->sign[j] = join_i(a.sign[j], b.sign[j]);
+    }
+    w->scale = join_f(a.scale, b.scale);
+    w->min = join_f(a.min, b.min);
+    if (fmt == Q6_K) w->scale_b = join_f(a.scale_b, b.scale_b);
+}
+
+INLINE __m512i quads2(int kind, const chunk2_t *w, const int8_t *x, int lo, int hi, int split) {
+    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int j = lo; j < hi; j++) {
+        int32_t four;
+        memcpy(&four, x + 4 * j, 4);
+        __m512i v = _mm512_set1_epi32(four);
+        if (kind == S8) v = _mm512_mask_sub_epi8(v, _mm512_movepi8_mask(w->sign[j]), _mm512_setzero_si512(), v);
+        acc[j % split] = _mm512_dpbusd_epi32(acc[j % split], w->q[j], v);
+    }
+    if (split == 4) acc[0] = _mm512_add_epi32(acc[0], acc[2]), acc[1] = _mm512_add_epi32(acc[1], acc[3]);
+    return split > 1 ? _mm512_add_epi32(acc[0], acc[1]) : acc[0];
+}
+
+/* ``tile`` for groups g0 and g0 + 1 (its first ``valid`` rows), g0 a whole group. */
+INLINE void tile2(int fmt, const uint8_t *g0, const uint8_t *g1, int64_t K, const int8_t *xq, const float *dx,
+                  const float *isum, int R, float *y, int64_t ldy, int valid) {
+    __m512 acc[TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    int kind = codes_of(fmt), split = R == 1 ? 4 : R == 2 ? 2 : 1;
+    int64_t stride = chunk_bytes(fmt) + header_bytes(fmt) / 8;
+    for (int64_t c = 0; c < K / 32; c++) {
+        for (int64_t b = 0; b < stride; b += 64) {
+            _mm_prefetch((const char *)g0 + c * stride + PREFETCH + b, _MM_HINT_T0);
+            _mm_prefetch((const char *)g1 + c * stride + PREFETCH + b, _MM_HINT_T0);
+        }
+        chunk2_t w;
+        load_chunk2(fmt, g0, g1, c, &w);
+        UNROLL(UNROLL_ROWS)
+        for (int r = 0; r < R; r++) {
+            const int8_t *x = xq + r * K + c * 32;
+            __m512 t;
+            if (fmt == Q6_K) {
+                t = _mm512_mul_ps(_mm512_cvtepi32_ps(quads2(kind, &w, x, 0, 4, split)), w.scale);
+                t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(quads2(kind, &w, x, 4, 8, split)), w.scale_b, t);
+            } else {
+                t = _mm512_mul_ps(_mm512_cvtepi32_ps(quads2(kind, &w, x, 0, 8, split)), w.scale);
+                t = _mm512_fmadd_ps(w.min, _mm512_set1_ps(isum[r * (K / 32) + c]), t);
+            }
+            acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(dx[r * (K / 32) + c]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy, (__mmask16)((1u << (8 + valid)) - 1), acc[r]);
+}
+#else
+#define WIDE 0
+#endif
+
+#define TILE_CASE(n) \
+    case n: TILE_CALL(n); break;
+
+/* Every row of one row block against group g (and g + 1 where ``pair``): tiles of TILE rows,
+ * then the rest. */
+INLINE void group(int fmt, const uint8_t *w, int64_t g, int pair, int64_t N, const int8_t *xq, const float *dx,
                   const float *isum, int64_t rows, int64_t K, float *y, int64_t ldy) {
     const uint8_t *p = w + g * panel_bytes(fmt, K);
-    int valid = N - 8 * g < 8 ? (int)(N - 8 * g) : 8;
+    int64_t last = pair ? g + 1 : g;
+    int valid = N - 8 * last < 8 ? (int)(N - 8 * last) : 8;
     int64_t r = 0, nb = K / 32;
     float *out = y + 8 * g;
-    for (; r + 4 <= rows; r += 4)
-        tile(fmt, p, K, xq + r * K, dx + r * nb, isum + r * nb, 4, out + r * ldy, ldy, valid);
+#if WIDE
+#define TILE_CALL(n)                                                                                                    \
+    (pair ? tile2(fmt, p, p + panel_bytes(fmt, K), K, xq + r * K, dx + r * nb, isum + r * nb, n, out + r * ldy, ldy, valid) \
+          : tile(fmt, p, K, xq + r * K, dx + r * nb, isum + r * nb, n, out + r * ldy, ldy, valid))
+#else
+#define TILE_CALL(n) tile(fmt, p, K, xq + r * K, dx + r * nb, isum + r * nb, n, out + r * ldy, ldy, valid)
+#endif
+    for (; r + TILE <= rows; r += TILE) TILE_CALL(TILE);
     switch (rows - r) {
-    case 3: tile(fmt, p, K, xq + r * K, dx + r * nb, isum + r * nb, 3, out + r * ldy, ldy, valid); break;
-    case 2: tile(fmt, p, K, xq + r * K, dx + r * nb, isum + r * nb, 2, out + r * ldy, ldy, valid); break;
-    case 1: tile(fmt, p, K, xq + r * K, dx + r * nb, isum + r * nb, 1, out + r * ldy, ldy, valid); break;
+#if TILE == 8
+    TILE_CASE(7) TILE_CASE(6) TILE_CASE(5) TILE_CASE(4)
+#endif
+    TILE_CASE(3) TILE_CASE(2) TILE_CASE(1)
     }
 }
 
 #define DEFINE_MATMUL(name, FMT)                                                                               \
     static void name(const uint8_t *w, int64_t N, const int8_t *xq, const float *dx, const float *isum,        \
                      int64_t M, int64_t K, float *y, int64_t ldy, int num_threads) {                           \
-        int64_t groups = (N + 7) / 8, nb = K / 32;                                                             \
+        int64_t groups = (N + 7) / 8, nb = K / 32, units = WIDE ? (groups + 1) / 2 : groups;                    \
         _Pragma("omp parallel num_threads(num_threads)")                                                       \
         for (int64_t r0 = 0; r0 < M; r0 += ROW_BLOCK) {                                                        \
             int64_t rows = M - r0 < ROW_BLOCK ? M - r0 : ROW_BLOCK;                                            \
             _Pragma("omp for schedule(static)")                                                                \
-            for (int64_t g = 0; g < groups; g++)                                                               \
-                group(FMT, w, g, N, xq + r0 * K, dx + r0 * nb, isum + r0 * nb, rows, K, y + r0 * ldy, ldy);     \
+            for (int64_t u = 0; u < units; u++) {                                                              \
+                int64_t g = WIDE ? 2 * u : u;                                                                  \
+                group(FMT, w, g, g + 1 < groups && WIDE, N, xq + r0 * K, dx + r0 * nb, isum + r0 * nb, rows, K,   \
+                      y + r0 * ldy, ldy);                                                                      \
+            }                                                                                                  \
         }                                                                                                      \
     }
 DEFINE_MATMUL(matmul_q4_0, Q4_0)
