@@ -384,7 +384,6 @@ static void attend256(const float *const *q, const int64_t *L, int64_t Lmax, int
                       int64_t ss, float *qs, float *acc, float *buf, float *const *o, int64_t D) {
     float total[MAXR];
     const float *rows[KB];
-    if (Lmax * D * (int64_t)sizeof(kv_t) * 2 <= TOUCH_BYTES) touch_item(k_cache, v_cache, sl, Lmax, KVH, g, D);
     for (int r = 0; r < nv; r++) {
         for (int64_t d = 0; d < D; d++) qs[r * D + d] = q[r][d] * scale;
         for (int64_t d = 0; d < D; d++) acc[r * D + d] = 0.0f;
@@ -475,6 +474,7 @@ void PAGED_ATTENTION(const float *q, int64_t q_stride, const kv_t *k_cache, cons
                 L[v] = len[i];
                 Lmax = L[v] > Lmax ? L[v] : Lmax;
             }
+            if (Lmax * D * (int64_t)sizeof(kv_t) * 2 <= TOUCH_BYTES) touch_item(k_cache, v_cache, sl, Lmax, KVH, g, D);
 #ifdef __AVX512F__
             if (wide && w.nv > in_regs) {
                 attend_blocked512(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, acc, op, D);
