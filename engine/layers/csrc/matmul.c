@@ -15,11 +15,12 @@
  * token's result never depends on the other tokens of its step.
  *
  * Speed: up to FEW_ROWS rows (decode steps, draft chains) a work item is a group of up to
- * STREAMS panels read side by side, one stream each, once for all its rows: a core reads
+ * STREAMS panels read side by side, one stream each, once for all its rows: an AMD core reads
  * memory faster from several streams than from one (1.6x with 4 on a Zen 2 EPYC), so a step
  * of one row runs at close to the machine's read speed and its draft rows cost little more
- * than one row. The AVX-512 build, not measured so, reads one panel at a time, prefetched
- * PREFETCH_AHEAD ahead. With more rows K goes in chunks that every group of RB rows takes in
+ * than one row. The AVX-512 build does so on AMD CPUs; on Intel ones it reads one panel at a
+ * time, prefetched PREFETCH_AHEAD ahead into L2, as fast at 1 to 4 rows on an Emerald Rapids
+ * Xeon as 4 streams and faster at 8. With more rows K goes in chunks that every group of RB rows takes in
  * turn from L1 while the groups together prefetch what follows, so the weights' read
  * overlaps the arithmetic (the first group read them alone, at memory speed, before the
  * others computed); RB x PV FMAs for PV + RB loads. */
