@@ -9,8 +9,9 @@ Runs the linear layers of the default model's 30 decoder layers (SmolLM2-135M sh
 random fp32 weights: speed does not depend on their values) over 1 to 256 rows with
 oneDNN (weights prepacked with a batch-size hint of 16, as the torch path does) and with
 ``cpu_kernels.matmul`` (where it builds: the build for this CPU, and on an AVX-512 CPU
-the AVX2-only build too; with ``--baseline``, this CPU's build of an older checkout's kernels
-beside them); interleaved, the minimum of the repeats. Beside them, the time
+the AVX-512 build of the other few-rows stream count and the AVX2-only build too; with
+``--baseline``, this CPU's build of an older checkout's kernels beside them); interleaved,
+the minimum of the repeats. Beside them, the time
 the machine takes just to read the weights once (``stream_read.c``): the floor a decode
 step cannot go under.
 Writes bench/results/kernels.md and kernels.png.
@@ -99,7 +100,11 @@ def kernels(baseline: Path | None = None) -> dict[str, list]:
         if baseline is not None:
             old = cpu_kernels.build(cpu_kernels.compiler(), flags, baseline / "engine/layers/csrc")
             stacks[f"C kernel, {build}, baseline"] = layer_stack(old)
-        if build == "AVX-512":
+        if build == "AVX-512":  # the other stream count of the few-rows matmul (csrc/matmul.c), and the AVX2 build
+            streams = set(cpu_kernels.STREAMS) <= set(flags)
+            other = cpu_kernels.FLAGS + cpu_kernels.AVX512 + (() if streams else cpu_kernels.STREAMS)
+            stacks[f"C kernel, AVX-512, {'1 stream' if streams else '4 streams'}"] = layer_stack(
+                cpu_kernels.build(cpu_kernels.compiler(), other))
             stacks["C kernel, AVX2"] = layer_stack(cpu_kernels.build(cpu_kernels.compiler(), cpu_kernels.FLAGS))
     return stacks
 
@@ -118,9 +123,9 @@ def main() -> None:
     floor = read_floor_ms(args.repeats)
     c_names = [k for k in stacks if k != ONEDNN]
     header = ["tokens"] + [f"{k} (ms)" for k in stacks] + [f"{k}: cost / 1 token" for k in c_names]
-    header += [f"{k} / oneDNN" for k in c_names]
+    header += [f"{k} / oneDNN" for k in c_names[:1]]  # this CPU's build
     rows = [[r] + [best[k, r] for k in stacks] + [best[k, r] / best[k, 1] for k in c_names]
-            + [best[k, r] / best[ONEDNN, r] for k in c_names] for r in ROWS]
+            + [best[k, r] / best[ONEDNN, r] for k in c_names[:1]] for r in ROWS]
     body = markdown_table(header, rows)
     body += ("\n\nThe matmuls of one pass through the 30 decoder layers (the output head excluded), "
              f"minimum of {args.repeats} interleaved repeats. The C kernel runs every row count in the "
