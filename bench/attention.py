@@ -17,8 +17,9 @@ leaves them:
 - ``row by row``: each row given its own copy of the keys it sees, so that the kernel
   reads the request's keys once per row;
 - ``torch``: the reference backend (gathered keys, ``scaled_dot_product_attention``);
-- where this CPU has AVX-512, ``engine`` through the AVX2 build; with ``--baseline``, through
-  this CPU's build of an older checkout's kernels.
+- where this CPU has AVX-512, ``engine`` through the AVX-512 build of the other CPU vendor
+  (``cpu_kernels.AMD``: an item's keys read ahead of its passes, or not) and through the AVX2
+  build; with ``--baseline``, through this CPU's build of an older checkout's kernels.
 
 Interleaved, each pass timed after a read of 540 MB (what a decode step of the float32
 model reads), which leaves the caches as the engine's attention finds them; the minimum of
@@ -106,7 +107,11 @@ def other_builds(baseline: Path | None) -> dict:
     if baseline is not None:
         builds["baseline"] = cpu_kernels.build(cpu_kernels.compiler(), cpu_kernels.compile_flags(),
                                                baseline / "engine/layers/csrc")
-    if cpu_kernels.compile_flags() != cpu_kernels.FLAGS:
+    flags = cpu_kernels.compile_flags()
+    if flags != cpu_kernels.FLAGS:  # the AVX-512 build with the read ahead where this one has none, or without
+        amd = set(cpu_kernels.AMD) <= set(flags)
+        other = cpu_kernels.FLAGS + cpu_kernels.AVX512 + (() if amd else cpu_kernels.AMD)
+        builds["AVX-512, no read ahead" if amd else "AVX-512, read ahead"] = cpu_kernels.build(cpu_kernels.compiler(), other)
         builds["AVX2 build"] = cpu_kernels.build(cpu_kernels.compiler(), cpu_kernels.FLAGS)
     return builds
 
@@ -159,7 +164,9 @@ def main() -> None:
     body += (" The bfloat16 cache column reads a bfloat16 copy of the same cache (`--kv-cache-dtype bfloat16`), "
              f"{'AVX-512' if cpu_kernels.compile_flags() != cpu_kernels.FLAGS else 'AVX2'} build.")
     if "AVX2 build" in builds:
-        body += " The AVX2 build column: the engine's lists through the AVX2 build (`SPECSERVE_CPU_AVX512=0`)."
+        body += (" The AVX-512 read ahead column: the engine's lists through the AVX-512 build of the other CPU vendor "
+                 "(an item's keys and values read ahead of its passes on an AMD CPU, not on an Intel one); the AVX2 "
+                 "build column: through the AVX2 build (`SPECSERVE_CPU_AVX512=0`).")
     if args.baseline is not None:
         body += f" The baseline column: the engine's lists through this CPU's build of the checkout at `{args.baseline}`."
     baseline = f" --baseline {args.baseline}" if args.baseline else ""

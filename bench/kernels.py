@@ -101,8 +101,8 @@ def kernels(baseline: Path | None = None) -> dict[str, list]:
             old = cpu_kernels.build(cpu_kernels.compiler(), flags, baseline / "engine/layers/csrc")
             stacks[f"C kernel, {build}, baseline"] = layer_stack(old)
         if build == "AVX-512":  # the other stream count of the few-rows matmul (csrc/matmul.c), and the AVX2 build
-            streams = set(cpu_kernels.STREAMS) <= set(flags)
-            other = cpu_kernels.FLAGS + cpu_kernels.AVX512 + (() if streams else cpu_kernels.STREAMS)
+            streams = set(cpu_kernels.AMD) <= set(flags)
+            other = cpu_kernels.FLAGS + cpu_kernels.AVX512 + (() if streams else cpu_kernels.AMD)
             stacks[f"C kernel, AVX-512, {'1 stream' if streams else '4 streams'}"] = layer_stack(
                 cpu_kernels.build(cpu_kernels.compiler(), other))
             stacks["C kernel, AVX2"] = layer_stack(cpu_kernels.build(cpu_kernels.compiler(), cpu_kernels.FLAGS))

@@ -39,7 +39,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("cpu_kernels.c", "matmul.c", "attention.c", "attention_bf16.c", "moe.c")  # in CSRC, with its headers
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 AVX512 = ("-mavx512f",)  # added where the CPU has it, unless SPECSERVE_CPU_AVX512=0
-STREAMS = ("-DAVX512_STREAMS=4",)  # the AVX-512 matmul's few rows from 4 panels side by side: on AMD CPUs
+AMD = ("-DAVX512_AMD",)  # AVX-512 on an AMD CPU: few rows' weights read 4 panels side by side, attention read ahead
 
 
 def cpu_flags() -> str:
@@ -57,13 +57,13 @@ def _cpu_supports() -> bool:
 
 
 def compile_flags() -> tuple[str, ...]:
-    """The compiler flags for this CPU: AVX2 + FMA, and AVX-512 where there is one, its matmul
-    reading few rows' weights from several panels side by side on an AMD CPU (one panel,
-    prefetched, on an Intel one: docs/cpu.md). Chosen from the CPU, never from a timing: every
-    choice gives the same bits."""
+    """The compiler flags for this CPU: AVX2 + FMA, and AVX-512 where there is one, which on an
+    AMD CPU reads few rows' weights from several panels side by side and an attention item's
+    keys ahead of its passes (on an Intel one, one panel at a time and no read ahead: docs/cpu.md).
+    Chosen from the CPU's vendor, never from a timing: the choice never changes a bit."""
     info = cpu_flags()
     if " avx512f" in info and os.environ.get("SPECSERVE_CPU_AVX512", "1") != "0":
-        return FLAGS + AVX512 + (STREAMS if "AuthenticAMD" in info else ())
+        return FLAGS + AVX512 + (AMD if "AuthenticAMD" in info else ())
     return FLAGS
 
 

@@ -17,9 +17,9 @@ def kernel_build(request, monkeypatch):
     return request.param
 
 
-def other_streams_build():
-    """The AVX-512 build with the other matmul stream count than this CPU's build (4 panels
-    side by side where it reads 1, 1 where it reads 4): both paths run on an AVX-512 CPU."""
+def other_vendor_build():
+    """The AVX-512 build of the other CPU vendor than this one (cpu_kernels.AMD: the matmul's
+    few rows from 4 panels side by side, attention read ahead; or without): both run here."""
     flags = cpu_kernels.FLAGS + cpu_kernels.AVX512
-    native = set(cpu_kernels.compile_flags())
-    return cpu_kernels.build(cpu_kernels.compiler(), flags if set(cpu_kernels.STREAMS) <= native else flags + cpu_kernels.STREAMS)
+    amd = set(cpu_kernels.AMD) <= set(cpu_kernels.compile_flags())
+    return cpu_kernels.build(cpu_kernels.compiler(), flags if amd else flags + cpu_kernels.AMD)

@@ -4,7 +4,7 @@ chunks cut at other places, decodes of other requests, the same context in a nei
 with a float32 and with a bfloat16 KV cache (``--kv-cache-dtype``).
 
 - C kernels (this CPU's build; where this CPU has AVX-512, the AVX2 build and the AVX-512 build of
-  the other matmul stream count too): bitwise.
+  the other CPU vendor too: its matmul streams and attention read ahead): bitwise.
 - No kernels (``SPECSERVE_CPU_KERNELS=0``: oneDNN and SDPA): within ``TORCH_TOLERANCE``.
 """
 
@@ -14,7 +14,7 @@ import torch
 from engine.layers import cpu_kernels
 from engine.models.arch import MoESpec, llama_arch
 from engine.sampling_params import SamplingParams
-from tests.engine_core.conftest import AVX512_BUILD, other_streams_build
+from tests.engine_core.conftest import AVX512_BUILD, other_vendor_build
 from tests.engine_core.engine_helpers import run
 
 VOCAB = 512
@@ -25,16 +25,16 @@ PROMPT_LENGTHS = [150, 41, 7, 1, 90, 23]  # a chunk past 64 tokens, decodes of o
 ON_AVX512 = pytest.mark.skipif(not AVX512_BUILD, reason="this CPU's build is the AVX2 one")
 
 
-@pytest.fixture(params=["c", pytest.param("c-avx2", marks=ON_AVX512), pytest.param("c-streams", marks=ON_AVX512),
+@pytest.fixture(params=["c", pytest.param("c-avx2", marks=ON_AVX512), pytest.param("c-other-vendor", marks=ON_AVX512),
                         "torch"])
 def kernel_path(request, monkeypatch):
     """Which kernels the engines of the test use: the C kernels of this CPU's build, of the AVX2
-    build or of the AVX-512 build of the other matmul stream count, or none (torch ops)."""
+    build or of the AVX-512 build of the other CPU vendor, or none (torch ops)."""
     if request.param.startswith("c") and cpu_kernels.load() is None:
         pytest.skip("no C kernels on this machine")
-    if request.param in ("c-avx2", "c-streams"):
+    if request.param in ("c-avx2", "c-other-vendor"):
         lib = (cpu_kernels.build(cpu_kernels.compiler(), cpu_kernels.FLAGS) if request.param == "c-avx2"
-               else other_streams_build())
+               else other_vendor_build())
         monkeypatch.setattr(cpu_kernels, "load", lambda: lib)
     if request.param == "torch":
         monkeypatch.setattr(cpu_kernels, "load", lambda: None)

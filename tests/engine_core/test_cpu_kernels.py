@@ -9,7 +9,7 @@ import torch
 from engine.layers import cpu_kernels
 from engine.layers.linear import ColumnParallelLinear
 from engine.models.arch import MoESpec, llama_arch
-from tests.engine_core.conftest import AVX512_BUILD, other_streams_build
+from tests.engine_core.conftest import AVX512_BUILD, other_vendor_build
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2/FMA CPU or no C compiler")
 
@@ -58,11 +58,11 @@ def test_matmul_row_results_do_not_depend_on_the_batch(kernel_build):
 def test_matmul_streams_give_a_row_its_bits_alone_in_every_build():
     """At 1 to 16 rows over 1, 2 and 3 threads, with work items of 1 to 4 panels (side by side
     in registers, or taking turns over k), every build (this CPU's; the AVX2 one and the
-    AVX-512 one of the other stream count where this CPU has AVX-512) gives each row the bits
+    AVX-512 one of the other CPU vendor where this CPU has AVX-512) gives each row the bits
     it gets alone in this CPU's build."""
     libs = [cpu_kernels.load()]
     if AVX512_BUILD:
-        libs += [cpu_kernels.build(cpu_kernels.compiler(), cpu_kernels.FLAGS), other_streams_build()]
+        libs += [cpu_kernels.build(cpu_kernels.compiler(), cpu_kernels.FLAGS), other_vendor_build()]
     g = torch.Generator().manual_seed(9)
     for n in (300, 1000):
         w, x = torch.randn(n, 200, generator=g), torch.randn(16, 200, generator=g)

@@ -36,8 +36,8 @@ typedef __m512 vec;
 #define vbroadcast _mm512_set1_ps
 #define vfma _mm512_fmadd_ps
 #define K_CHUNK 64 /* k per chunk: 24 KiB of a panel, in L1 beside a group's inputs and sums */
-#ifdef AVX512_STREAMS /* cpu_kernels.compile_flags: 4 on an AMD CPU */
-#define STREAMS AVX512_STREAMS
+#ifdef AVX512_AMD /* cpu_kernels.compile_flags, on an AMD CPU */
+#define STREAMS 4
 #else
 #define STREAMS 1 /* one panel at a time, prefetched: as fast at 1 to 4 rows on a Xeon, faster at 8 */
 #endif
