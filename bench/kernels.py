@@ -3,13 +3,15 @@ our C kernel (engine/layers/cpu_kernels.py, csrc/matmul.c), which runs every row
 so that a token's bits never depend on its step, against oneDNN, which the torch path
 (``SPECSERVE_CPU_KERNELS=0``) uses.
 
-    .venv/bin/python -m bench.kernels [--repeats 7]
+    .venv/bin/python -m bench.kernels [--repeats 7] [--baseline CHECKOUT]
 
 Runs the linear layers of the default model's 30 decoder layers (SmolLM2-135M shapes,
 random fp32 weights: speed does not depend on their values) over 1 to 256 rows with
 oneDNN (weights prepacked with a batch-size hint of 16, as the torch path does) and with
 ``cpu_kernels.matmul`` (where it builds: the build for this CPU, and on an AVX-512 CPU
-the AVX2-only build too); interleaved, the minimum of the repeats. Beside them, the time
+the AVX-512 build of the other few-rows stream count and the AVX2-only build too; with
+``--baseline``, this CPU's build of an older checkout's kernels beside them); interleaved,
+the minimum of the repeats. Beside them, the time
 the machine takes just to read the weights once (``stream_read.c``): the floor a decode
 step cannot go under.
 Writes bench/results/kernels.md and kernels.png.
@@ -86,24 +88,33 @@ def read_floor_ms(repeats: int) -> float | None:
     return best * 1000 * LAYERS * sum(i * o for i, o in SHAPES) / n
 
 
-def kernels() -> dict[str, list]:
-    """The stacks to time, by name: oneDNN and each C kernel build this CPU can run."""
+def kernels(baseline: Path | None = None) -> dict[str, list]:
+    """The stacks to time, by name: oneDNN and each C kernel build this CPU can run (this CPU's
+    build of the ``baseline`` checkout's kernels too, where given)."""
     stacks = {ONEDNN: layer_stack()}
     lib = cpu_kernels.load()
     if lib is not None:
-        avx512 = cpu_kernels.compile_flags() != cpu_kernels.FLAGS
-        if avx512:
-            stacks["C kernel, AVX-512"] = layer_stack(lib)
-            lib = cpu_kernels.build(cpu_kernels.compiler(), cpu_kernels.FLAGS)
-        stacks["C kernel, AVX2"] = layer_stack(lib)
+        flags = cpu_kernels.compile_flags()
+        build = "AVX-512" if flags != cpu_kernels.FLAGS else "AVX2"
+        stacks[f"C kernel, {build}"] = layer_stack(lib)
+        if baseline is not None:
+            old = cpu_kernels.build(cpu_kernels.compiler(), flags, baseline / "engine/layers/csrc")
+            stacks[f"C kernel, {build}, baseline"] = layer_stack(old)
+        if build == "AVX-512":  # the other stream count of the few-rows matmul (csrc/matmul.c), and the AVX2 build
+            streams = set(cpu_kernels.AMD) <= set(flags)
+            other = cpu_kernels.FLAGS + cpu_kernels.AVX512 + (() if streams else cpu_kernels.AMD)
+            stacks[f"C kernel, AVX-512, {'1 stream' if streams else '4 streams'}"] = layer_stack(
+                cpu_kernels.build(cpu_kernels.compiler(), other))
+            stacks["C kernel, AVX2"] = layer_stack(cpu_kernels.build(cpu_kernels.compiler(), cpu_kernels.FLAGS))
     return stacks
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--baseline", type=Path, default=None, help="a checkout of an older commit: its kernels beside")
     args = ap.parse_args()
-    stacks = kernels()
+    stacks = kernels(args.baseline)
     best = {(k, r): float("inf") for k in stacks for r in ROWS}
     for _ in range(args.repeats):
         for r in ROWS:
@@ -112,9 +123,9 @@ def main() -> None:
     floor = read_floor_ms(args.repeats)
     c_names = [k for k in stacks if k != ONEDNN]
     header = ["tokens"] + [f"{k} (ms)" for k in stacks] + [f"{k}: cost / 1 token" for k in c_names]
-    header += [f"{k} / oneDNN" for k in c_names]
+    header += [f"{k} / oneDNN" for k in c_names[:1]]  # this CPU's build
     rows = [[r] + [best[k, r] for k in stacks] + [best[k, r] / best[k, 1] for k in c_names]
-            + [best[k, r] / best[ONEDNN, r] for k in c_names] for r in ROWS]
+            + [best[k, r] / best[ONEDNN, r] for k in c_names[:1]] for r in ROWS]
     body = markdown_table(header, rows)
     body += ("\n\nThe matmuls of one pass through the 30 decoder layers (the output head excluded), "
              f"minimum of {args.repeats} interleaved repeats. The C kernel runs every row count in the "
@@ -126,8 +137,11 @@ def main() -> None:
                  f"(`bench/stream_read.c`, {torch.get_num_threads()} threads), takes {floor:.2f} ms "
                  f"({weights_mb / floor:.1f} GB/s): the floor under a decode step's matmuls. "
                  + "; ".join(f"{k} at 1 token: {floor / best[k, 1]:.2f} of that speed" for k in c_names) + ".")
+    if args.baseline is not None:
+        body += f"\n\nThe baseline column: this CPU's build of the kernels of the checkout at `{args.baseline}`."
+    baseline = f" --baseline {args.baseline}" if args.baseline else ""
     write_report("kernels", "CPU matmul kernels by tokens in a pass (SmolLM2-135M shapes, fp32)", body,
-                 f"python -m bench.kernels --repeats {args.repeats}")
+                 f"python -m bench.kernels --repeats {args.repeats}{baseline}")
     plot(stacks, best)
 
 

@@ -40,6 +40,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("cpu_kernels.c", "matmul.c", "attention.c", "attention_bf16.c", "moe.c")  # in CSRC, with its headers
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 AVX512 = ("-mavx512f",)  # added where the CPU has it, unless SPECSERVE_CPU_AVX512=0
+AMD = ("-DAVX512_AMD",)  # AVX-512 on an AMD CPU: few rows' weights read 4 panels side by side, attention read ahead
 
 
 def _cpu_supports() -> bool:
@@ -48,9 +49,13 @@ def _cpu_supports() -> bool:
 
 
 def compile_flags() -> tuple[str, ...]:
-    """The compiler flags for this CPU: AVX2 + FMA, and AVX-512 where there is one."""
-    if " avx512f" in cpu_flags() and os.environ.get("SPECSERVE_CPU_AVX512", "1") != "0":
-        return FLAGS + AVX512
+    """The compiler flags for this CPU: AVX2 + FMA, and AVX-512 where there is one, which on an
+    AMD CPU reads few rows' weights from several panels side by side and an attention item's
+    keys ahead of its passes (on an Intel one, one panel at a time and no read ahead: docs/cpu.md).
+    Chosen from the CPU's vendor, never from a timing: the choice never changes a bit."""
+    info = cpu_flags()
+    if " avx512f" in info and os.environ.get("SPECSERVE_CPU_AVX512", "1") != "0":
+        return FLAGS + AVX512 + (AMD if "AuthenticAMD" in info else ())
     return FLAGS
 
 
@@ -100,9 +105,10 @@ def load():
         return None
 
 
-def build(compiler: str, flags: tuple[str, ...]):
-    """The library compiled with ``flags`` (cached on disk), its functions typed."""
-    lib = ctypes.CDLL(str(compile_library("cpu_kernels", [CSRC / f for f in SOURCES], compiler, flags)))
+def build(compiler: str, flags: tuple[str, ...], csrc: Path = CSRC):
+    """The library compiled with ``flags`` (cached on disk) from the sources in ``csrc`` (another
+    checkout's, for a benchmark's baseline), its functions typed."""
+    lib = ctypes.CDLL(str(compile_library("cpu_kernels", [csrc / f for f in SOURCES], compiler, flags)))
     lib.matmul_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.weight_panel.argtypes = ()
     lib.weight_panel.restype = ctypes.c_int

@@ -15,3 +15,11 @@ def kernel_build(request, monkeypatch):
         lib = cpu_kernels.build(cpu_kernels.compiler(), cpu_kernels.FLAGS)
         monkeypatch.setattr(cpu_kernels, "load", lambda: lib)
     return request.param
+
+
+def other_vendor_build():
+    """The AVX-512 build of the other CPU vendor than this one (cpu_kernels.AMD: the matmul's
+    few rows from 4 panels side by side, attention read ahead; or without): both run here."""
+    flags = cpu_kernels.FLAGS + cpu_kernels.AVX512
+    amd = set(cpu_kernels.AMD) <= set(cpu_kernels.compile_flags())
+    return cpu_kernels.build(cpu_kernels.compiler(), flags if amd else flags + cpu_kernels.AMD)

@@ -3,7 +3,8 @@ tokens and output log-probabilities do not depend on what else is in its steps: 
 chunks cut at other places, decodes of other requests, the same context in a neighbour;
 with a float32 and with a bfloat16 KV cache (``--kv-cache-dtype``).
 
-- C kernels (this CPU's build, and the AVX2 build where this CPU has AVX-512): bitwise.
+- C kernels (this CPU's build; where this CPU has AVX-512, the AVX2 build and the AVX-512 build of
+  the other CPU vendor too: its matmul streams and attention read ahead): bitwise.
 - No kernels (``SPECSERVE_CPU_KERNELS=0``: oneDNN and SDPA): within ``TORCH_TOLERANCE``.
 """
 
@@ -13,7 +14,7 @@ import torch
 from engine.layers import cpu_kernels
 from engine.models.arch import MoESpec, llama_arch
 from engine.sampling_params import SamplingParams
-from tests.engine_core.conftest import AVX512_BUILD
+from tests.engine_core.conftest import AVX512_BUILD, other_vendor_build
 from tests.engine_core.engine_helpers import run
 
 VOCAB = 512
@@ -21,15 +22,19 @@ TORCH_TOLERANCE = dict(rtol=1e-4, atol=1e-4)  # the torch path's promise on log-
 PROMPT_LENGTHS = [150, 41, 7, 1, 90, 23]  # a chunk past 64 tokens, decodes of one token
 
 
-@pytest.fixture(params=["c", pytest.param("c-avx2", marks=pytest.mark.skipif(
-    not AVX512_BUILD, reason="this CPU's build is the AVX2 one")), "torch"])
+ON_AVX512 = pytest.mark.skipif(not AVX512_BUILD, reason="this CPU's build is the AVX2 one")
+
+
+@pytest.fixture(params=["c", pytest.param("c-avx2", marks=ON_AVX512), pytest.param("c-other-vendor", marks=ON_AVX512),
+                        "torch"])
 def kernel_path(request, monkeypatch):
-    """Which kernels the engines of the test use: the C kernels of this CPU's build or of the AVX2
-    build, or none (torch ops)."""
+    """Which kernels the engines of the test use: the C kernels of this CPU's build, of the AVX2
+    build or of the AVX-512 build of the other CPU vendor, or none (torch ops)."""
     if request.param.startswith("c") and cpu_kernels.load() is None:
         pytest.skip("no C kernels on this machine")
-    if request.param == "c-avx2":
-        lib = cpu_kernels.build(cpu_kernels.compiler(), cpu_kernels.FLAGS)
+    if request.param in ("c-avx2", "c-other-vendor"):
+        lib = (cpu_kernels.build(cpu_kernels.compiler(), cpu_kernels.FLAGS) if request.param == "c-avx2"
+               else other_vendor_build())
         monkeypatch.setattr(cpu_kernels, "load", lambda: lib)
     if request.param == "torch":
         monkeypatch.setattr(cpu_kernels, "load", lambda: None)

@@ -9,7 +9,7 @@ import torch
 from engine.layers import cpu_kernels
 from engine.layers.linear import ColumnParallelLinear
 from engine.models.arch import MoESpec, llama_arch
-from tests.engine_core.conftest import AVX512_BUILD
+from tests.engine_core.conftest import AVX512_BUILD, other_vendor_build
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2/FMA CPU or no C compiler")
 
@@ -52,6 +52,29 @@ def test_matmul_row_results_do_not_depend_on_the_batch(kernel_build):
     for j in range(200):
         chain = (chain + x[:3, j : j + 1].double() * w[:, j].double()).float().double()
     assert torch.equal(alone[:3], chain.float())
+
+
+@needs_kernel
+def test_matmul_streams_give_a_row_its_bits_alone_in_every_build():
+    """At 1 to 16 rows over 1, 2 and 3 threads, with work items of 1 to 4 panels (side by side
+    in registers, or taking turns over k), every build (this CPU's; the AVX2 one and the
+    AVX-512 one of the other CPU vendor where this CPU has AVX-512) gives each row the bits
+    it gets alone in this CPU's build."""
+    libs = [cpu_kernels.load()]
+    if AVX512_BUILD:
+        libs += [cpu_kernels.build(cpu_kernels.compiler(), cpu_kernels.FLAGS), other_vendor_build()]
+    g = torch.Generator().manual_seed(9)
+    for n in (300, 1000):
+        w, x = torch.randn(n, 200, generator=g), torch.randn(16, 200, generator=g)
+        alone = torch.cat([cpu_kernels.matmul(x[i : i + 1], cpu_kernels.kernel_weight(w)) for i in range(16)])
+        torch.testing.assert_close(alone, x @ w.T, rtol=1e-4, atol=1e-4)
+        for lib in libs:
+            kw = cpu_kernels.kernel_weight(w, lib)
+            for threads in (1, 2, 3):
+                for m in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16):
+                    y = torch.empty(m, n)
+                    lib.matmul_f32(x.data_ptr(), kw.data.data_ptr(), y.data_ptr(), m, n, 200, threads)
+                    assert torch.equal(y, alone[:m]), (lib, n, threads, m)
 
 
 @needs_kernel

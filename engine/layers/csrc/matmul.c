@@ -15,11 +15,12 @@
  * token's result never depends on the other tokens of its step.
  *
  * Speed: up to FEW_ROWS rows (decode steps, draft chains) a work item is a group of up to
- * STREAMS panels read side by side, one stream each, once for all its rows: a core reads
+ * STREAMS panels read side by side, one stream each, once for all its rows: an AMD core reads
  * memory faster from several streams than from one (1.6x with 4 on a Zen 2 EPYC), so a step
  * of one row runs at close to the machine's read speed and its draft rows cost little more
- * than one row. The AVX-512 build, not measured so, reads one panel at a time, prefetched
- * PREFETCH_AHEAD ahead. With more rows K goes in chunks that every group of RB rows takes in
+ * than one row. The AVX-512 build does so on AMD CPUs; on Intel ones it reads one panel at a
+ * time, prefetched PREFETCH_AHEAD ahead into L2, as fast at 1 to 4 rows on an Emerald Rapids
+ * Xeon as 4 streams and faster at 8. With more rows K goes in chunks that every group of RB rows takes in
  * turn from L1 while the groups together prefetch what follows, so the weights' read
  * overlaps the arithmetic (the first group read them alone, at memory speed, before the
  * others computed); RB x PV FMAs for PV + RB loads. */
@@ -35,7 +36,11 @@ typedef __m512 vec;
 #define vbroadcast _mm512_set1_ps
 #define vfma _mm512_fmadd_ps
 #define K_CHUNK 64 /* k per chunk: 24 KiB of a panel, in L1 beside a group's inputs and sums */
-#define STREAMS 1 /* panels read side by side by an item of up to FEW_ROWS rows: one, as measured */
+#ifdef AVX512_AMD /* cpu_kernels.compile_flags, on an AMD CPU */
+#define STREAMS 4
+#else
+#define STREAMS 1 /* one panel at a time, prefetched: as fast at 1 to 4 rows on a Xeon, faster at 8 */
+#endif
 #else
 #define VW 8
 #define PV 3 /* 4 x 3 accumulators and 3 weights in 16 registers (the inputs broadcast from memory) */
@@ -144,26 +149,27 @@ static void panel_item(const float *p, const float *x, float *y, int64_t m0, int
 }
 
 /* The M (<= FEW_ROWS) rows of y for the panels [i0, i1) of w (at most STREAMS), read side by
- * side, one stream each. One row takes 4 panels at once in its accumulators, 2 rows 2, more
- * rows 1 (in groups of RB); beyond that the panels (or their groups) take turns, K_STEP k at
- * a time, the partial sums parked in acc. */
+ * side, one stream each. One row takes up to STREAMS panels at once in its accumulators, 2
+ * rows up to STREAMS / 2, more rows 1 (in groups of RB); where the item has more panels than
+ * that, the panels (or their groups) take turns, K_STEP k at a time, the partial sums parked
+ * in acc. */
 static void few_rows_item(const float *w, const float *x, float *y, int64_t M, int64_t i0, int64_t i1, int64_t N,
                           int64_t K) {
     float acc[STREAMS * FEW_ROWS * PANEL] __attribute__((aligned(64)));
-    const int S = M == 1 ? 4 : M == 2 ? 2 : 1, n = i1 - i0;
-    const int64_t turn = n == 1 || n == S ? K : K_STEP; /* k per turn: one pass where one call takes the item */
+    const int S = M == 1 ? STREAMS : M == 2 ? STREAMS / 2 : 1, n = i1 - i0;
+    const int64_t turn = n <= S ? K : K_STEP; /* k per turn: one pass where one call takes the item */
     for (int64_t k0 = 0; k0 < K; k0 += turn) {
         const int64_t k1 = K - k0 <= turn ? K : k0 + turn;
         for (int64_t i = i0; i < i1;) {
             const float *p = w + i * K * PANEL;
             float *a = acc + (i - i0) * FEW_ROWS * PANEL, *yi = y + i * PANEL;
             const int64_t cols = N - i * PANEL;
-            if (S == 4 && i + 4 <= i1) {
-                panel_rows(p, 4, x, K, 1, k0, k1, a, 0, NULL, NULL, yi, N, cols);
-                i += 4;
-            } else if (S == 2 && i + 2 <= i1) {
-                panel_rows(p, 2, x, K, 2, k0, k1, a, 0, NULL, NULL, yi, N, cols);
-                i += 2;
+            const int s = i1 - i < S ? (int)(i1 - i) : S; /* panels of this call */
+#define SIDE(S_, R) panel_rows(p, S_, x, K, R, k0, k1, a, 0, NULL, NULL, yi, N, cols)
+            if (M == 1 && s >= 4) SIDE(4, 1);
+            else if (M == 1 && s == 3) SIDE(3, 1);
+            else if (M <= 2 && s >= 2) {
+                if (M == 1) SIDE(2, 1); else SIDE(2, 2);
             } else {
                 int64_t m = 0;
 #define GROUP(R) panel_rows(p, 1, x + m * K, K, R, k0, k1, a + m * PANEL, 0, NULL, NULL, yi + m * N, N, cols)
@@ -172,8 +178,9 @@ static void few_rows_item(const float *w, const float *x, float *y, int64_t M, i
                 if (M - m == 2) GROUP(2);
                 if (M - m == 1) GROUP(1);
 #undef GROUP
-                i += 1;
             }
+#undef SIDE
+            i += M == 1 ? (s >= 4 ? 4 : s) : M == 2 ? (s >= 2 ? 2 : 1) : 1;
         }
     }
 }
