@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from engine.attention import SeqSpec
-from engine.step_buffers import Bucket, StepBuffers, bucket_for, make_buckets
+from engine.step_buffers import BUCKETED_BACKENDS, Bucket, StepBuffers, bucket_for, make_buckets
+from kvcache.tensors import PagedKV
 
 log = logging.getLogger(__name__)
 
@@ -91,3 +92,39 @@ class BucketedForward:
 
     def _run(self, buf: StepBuffers) -> torch.Tensor:
         return self.model(buf.dev["ids"], buf.dev["positions"], buf.meta, self.kv)  # [N, hidden]
+
+
+def graphs_apply(config, model, backend: str, device: torch.device) -> bool:
+    """Whether the engine replays bucketed steps from CUDA graphs: on CUDA, without
+    ``--enforce-eager``, on a backend with bucketed metadata, one process (tensor-parallel
+    workers run their own forwards), and a model with no sliding window (its windowed
+    metadata is built per step)."""
+    arch = getattr(model, "arch", None)
+    return (device.type == "cuda" and not config.model.enforce_eager and backend in BUCKETED_BACKENDS
+            and arch is not None and all(w is None for w in arch.windows) and config.parallel.tensor_parallel_size == 1)
+
+
+def bucket_limits(config) -> tuple[int, int]:
+    """(most requests, most tokens per request) of the buckets: ``max_num_seqs``, and one
+    token more than the drafts a request may verify (1 without speculation)."""
+    sc = config.speculative
+    return config.scheduler.max_num_seqs, 1 + (sc.num_speculative_tokens if sc.method else 0)
+
+
+@torch.inference_mode()
+def graph_pool_bytes(model, backend: str, spec, max_len: int, device, max_requests: int, max_tokens: int) -> int:
+    """The graphs' memory, for the memory profile before the KV cache exists: the peak of the
+    largest bucket's forward (buffers included) above what was held before it. The graphs
+    share one pool that keeps that peak for the engine's life."""
+    blocks = -(-max_len // spec.block_size)
+    kv = PagedKV(spec, blocks, device, pad_block=True)  # scratch: stands for the real cache, budgeted apart
+    forward = BucketedForward(model, backend, kv, max_len, device, max_requests, max_tokens, graphs=False)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    forward.forward(forward.buckets[0], [], np.zeros(0, np.int64))
+    torch.cuda.synchronize(device)
+    used = torch.cuda.max_memory_allocated(device) - before
+    del forward, kv
+    torch.cuda.empty_cache()
+    return used
