@@ -26,7 +26,8 @@ from torch._subclasses.fake_tensor import _DISPATCH_HANDLE_DIRECTLY, _DISPATCH_M
 from tests.gpu_fake.fake_ops import FakeCudaMode, _tensors, _values, value
 
 aten = torch.ops.aten
-_ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+_NO_KERNEL = {aten._unsafe_view.default,  # a view that autograd does not track
+                aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
                 aten.new_empty.default, aten.new_empty_strided.default}
 _ORIGINAL = FakeCudaMode.dispatch
 _listeners: list = []  # callables (func, args, kwargs, out), told of each kernel
@@ -38,7 +39,7 @@ class GraphUnsafe(RuntimeError):
 
 
 def _is_kernel(func, args, kwargs) -> bool:
-    if (func.is_view or func in _ALLOCATIONS or func.namespace in ("prim", "prims")
+    if (func.is_view or func in _NO_KERNEL or func.namespace in ("prim", "prims")
             or func in _DISPATCH_META_HANDLERS or func in _DISPATCH_HANDLE_DIRECTLY):  # metadata: .device, sizes
         return False
     cuda_arg = any(isinstance(t, FakeTensor) for t in _tensors(args, kwargs))
