@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.metadata import AttentionMetadata, ListedQueries, SeqSpec
 from engine.attention import varlen_backend
+from engine.attention.metadata import AttentionMetadata, ListedQueries, SeqSpec
 from engine.attention.varlen_metadata import VarlenGroup, VarlenMetadata
 
 REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -74,9 +74,9 @@ class StepBuffers:
         r, n = bucket.requests, bucket.num_tokens
         self.width = -(-max_len // block_size)  # blocks per request
         self.max_len = self.width * block_size  # L
-        self.host = dict(ids=np.zeros(n, np.int64), positions=np.zeros(n, np.int64), slot_mapping=np.zeros(n, np.int64),
-                         block_table=np.zeros((r, self.width), np.int32), cu_seqlens_q=np.zeros(r + 1, np.int32),
-                         cu_seqlens_k=np.zeros(r + 1, np.int32))
+        i64, i32 = lambda *shape: np.zeros(shape, np.int64), lambda *shape: np.zeros(shape, np.int32)
+        self.host = {"ids": i64(n), "positions": i64(n), "slot_mapping": i64(n), "block_table": i32(r, self.width),
+                     "cu_seqlens_q": i32(r + 1), "cu_seqlens_k": i32(r + 1)}
         if backend not in BUCKETED_BACKENDS:
             raise ValueError(f"bucketed steps run on the {', '.join(BUCKETED_BACKENDS)} backends, not {backend}")
         self.listed = backend == "cpu"

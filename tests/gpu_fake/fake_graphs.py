@@ -55,7 +55,7 @@ def _dispatch(self, func, types, args=(), kwargs=None):
     finally:
         _depth -= 1
     if _depth == 0 and _listeners and _is_kernel(func, args, kwargs or {}):
-        for listener in list(_listeners):
+        for listener in _listeners:
             listener(func, args, kwargs or {}, out)
     return out
 
