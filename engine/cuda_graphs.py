@@ -1,11 +1,11 @@
 """The model forward of bucketed steps on static buffers, replayed as CUDA graphs.
 
 A step that fits a bucket (``engine.step_buffers``: decodes, and verification of chains
-of the same length) runs the model on its bucket's static buffers; on CUDA, unless
+of up to k drafts) runs the model on its bucket's static buffers; on CUDA, unless
 ``--enforce-eager``, that forward is captured once per bucket at start-up (largest first,
 all graphs sharing one memory pool) and each step only fills the buffers and replays.
-Every other step (prefill chunks, mixed lengths, trees, more requests than the largest
-bucket) runs eagerly, unpadded. Never on the CPU: there is no launch cost to save.
+Every other step (prefill chunks longer than k + 1, trees, more requests than the
+largest bucket) runs eagerly, unpadded. Never on the CPU: there is no launch cost to save.
 
 The captured region must not sync with the host, copy host data, or take a
 data-dependent shape: ``tests/gpu_fake/test_graphs_safety.py`` checks it on the CPU.
@@ -25,17 +25,21 @@ log = logging.getLogger(__name__)
 
 def capture_graph(fn, pool):
     """Captures ``fn()`` (its tensors' addresses fixed) as a CUDA graph in memory ``pool``;
-    returns (graph, fn's output, which each ``graph.replay()`` rewrites). One warm-up run
-    first, on a side stream, as torch's docs ask (lazy initialisation is not captured)."""
+    returns (graph, fn's output, which each ``graph.replay()`` rewrites). Run ``fn`` once
+    eagerly before the first capture (``warm_up``): lazy initialisation is not captured."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
+def warm_up(fn) -> None:
+    """``fn()`` once on a side stream, as torch's docs ask before capturing."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
-    return graph, out
 
 
 class BucketedForward:
@@ -58,7 +62,7 @@ class BucketedForward:
         return bucket_for(specs, self.buckets)
 
     def forward(self, bucket: Bucket, specs: list[SeqSpec], input_ids: np.ndarray) -> torch.Tensor:
-        """Final hidden states [len(specs) * bucket.tokens, hidden] of the step's real rows
+        """Final hidden states [sum of query lengths, hidden] of the step's real rows
         (a view of the graph's output when replayed: use it before the next step)."""
         buf = self._buffers(bucket)
         buf.fill(specs, input_ids)
@@ -68,7 +72,7 @@ class BucketedForward:
         else:
             captured[0].replay()
             out = captured[1]
-        return out[: len(specs) * bucket.tokens]
+        return out[: sum(s.query_len for s in specs)]
 
     def capture_all(self) -> None:
         """Captures every bucket's forward (start-up, after the KV cache is allocated)."""
@@ -76,10 +80,11 @@ class BucketedForward:
             return
         before = torch.cuda.memory_allocated(self.device)
         pool = torch.cuda.graph_pool_handle()
+        for bucket in self.buckets:
+            self._buffers(bucket).fill([], np.zeros(0, np.int64))  # every request a padding one
+        warm_up(lambda: self._run(self.buffers[self.buckets[0]]))
         for bucket in self.buckets:  # largest first: the smaller ones reuse its pool
-            buf = self._buffers(bucket)
-            buf.fill([], np.zeros(0, np.int64))  # every request a padding one
-            self.graphs[bucket] = capture_graph(lambda b=buf: self._run(b), pool)
+            self.graphs[bucket] = capture_graph(lambda b=self.buffers[bucket]: self._run(b), pool)
         torch.cuda.synchronize(self.device)
         self.graph_bytes = torch.cuda.memory_allocated(self.device) - before
         log.info("CUDA graphs: %d buckets captured, %.1f MiB", len(self.graphs), self.graph_bytes / 2**20)
@@ -113,15 +118,17 @@ def bucket_limits(config) -> tuple[int, int]:
 
 @torch.inference_mode()
 def graph_pool_bytes(model, backend: str, spec, max_len: int, device, max_requests: int, max_tokens: int) -> int:
-    """The graphs' memory, for the memory profile before the KV cache exists: the peak of the
-    largest bucket's forward (buffers included) above what was held before it. The graphs
-    share one pool that keeps that peak for the engine's life."""
+    """The graphs' memory, for the memory profile before the KV cache exists: every bucket's
+    buffers and the peak of the largest bucket's forward above what was held before them.
+    The graphs share one pool that keeps that peak for the engine's life."""
     blocks = -(-max_len // spec.block_size)
     kv = PagedKV(spec, blocks, device, pad_block=True)  # scratch: stands for the real cache, budgeted apart
     forward = BucketedForward(model, backend, kv, max_len, device, max_requests, max_tokens, graphs=False)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
+    for bucket in forward.buckets[1:]:  # every bucket's buffers, the largest one's forward
+        forward._buffers(bucket)
     forward.forward(forward.buckets[0], [], np.zeros(0, np.int64))
     torch.cuda.synchronize(device)
     used = torch.cuda.max_memory_allocated(device) - before

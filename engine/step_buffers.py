@@ -1,26 +1,28 @@
 """Static step buffers and padded buckets: a step's inputs at fixed addresses, in fixed shapes.
 
-A step whose requests all feed the same number ``q`` of tokens as a chain (decodes: 1;
-verification of ``k`` chain drafts: ``k + 1``) is padded to a bucket ``(requests, q)``,
-``requests`` the next power of two. Its inputs and attention metadata are written into
-buffers allocated once per bucket, so that every step of the bucket reads the same
-tensors (what a captured CUDA graph needs, ``engine.cuda_graphs``)::
+A step whose requests all feed chains of at most ``Q`` tokens (decodes: 1; verification
+of up to ``k`` chain drafts: ``k + 1``) is padded to a bucket ``(R, Q)``, ``R`` the next
+power of two at or above its number of requests: ``N = R * Q`` token rows. Its inputs and
+attention metadata are written into buffers allocated once per bucket, so that every
+step of the bucket reads the same tensors (what a captured CUDA graph needs,
+``engine.cuda_graphs``); request lengths are data (``cu_seqlens``), not shapes::
 
-    bucket (4, 2), 3 real requests:
-    request:      r0      r1      r2      pad
-    ids:          a0 a1   b0 b1   c0 c1   0  0
-    positions:    7  8    3  4    12 13   0  1
-    slot_mapping: ...                     PAD_BLOCK * block_size + 0, + 1
+    bucket (2, 3), a decode and a chain of 2 drafts (4 tokens; 2 rows of padding):
+    request:      r0   r1          pad
+    ids:          a0   b0 b1 b2    0  0
+    positions:    7    3  4  5     0  1
+    slot_mapping: ...              PAD_BLOCK * block_size + 0, + 1
 
-Padding requests are neutral: each is a chain of ``q`` tokens with no context, on the
-padding block (``PagedKV.pad_block``, past every block the KV manager hands out), so it
-writes and reads only there; its rows are dropped. Each real row sees exactly what it
-sees unpadded, and with the C kernels (batch invariant) its bits are the same.
+Padding requests are neutral: chains of at most ``Q`` tokens with no context, on the
+padding block (``PagedKV.pad_block``, past every block the KV manager hands out), so they
+write and read only there; their rows are dropped. Each real row sees exactly what it
+sees unpadded, and with the C kernels (batch invariant) its bits are the same. There are
+``2R`` request slots: the step's, the padding requests, then empty ones (no query, no key).
 
-Buffers per bucket (``R`` requests, ``Q`` tokens each, ``N = R * Q``, ``L`` keys at most):
-ids, positions, slot_mapping [N] int64; block_table [R, L / block_size] int32;
-cu_seqlens_q, cu_seqlens_k [R + 1] int32 (flash-attn's layout); for the ``cpu`` backend's
-listed metadata start, length [N] and slots [R * L] int64 (request r's list at r * L).
+Buffers per bucket (``L`` keys at most per request): ids, positions, slot_mapping [N]
+int64; block_table [2R, L / block_size] int32; cu_seqlens_q, cu_seqlens_k [2R + 1] int32
+(flash-attn's layout); for the ``cpu`` backend's listed metadata start, length [N] and
+slots [2R * L] int64 (request slot r's list at r * L).
 """
 
 from dataclasses import dataclass
@@ -40,7 +42,7 @@ BUCKETED_BACKENDS = {"cpu": None, "torch_varlen": varlen_backend.torch_kernel, "
 @dataclass(frozen=True)
 class Bucket:
     requests: int  # padded number of requests
-    tokens: int  # tokens fed per request (1: decode; k + 1: a chain of k drafts verified)
+    tokens: int  # most tokens fed per request (1: decodes; k + 1: chains of up to k drafts verified)
 
     @property
     def num_tokens(self) -> int:
@@ -55,11 +57,11 @@ def make_buckets(max_requests: int, max_tokens: int) -> list[Bucket]:
 
 
 def bucket_for(specs: list[SeqSpec], buckets: list[Bucket]) -> Bucket | None:
-    """The smallest bucket of ``specs`` (every request a chain of the same length with
-    context), or None: the step runs eagerly, unpadded."""
-    q = specs[0].query_len if specs else 0
-    if not specs or any(s.query_len != q or s.parents is not None or s.context_len == 0 for s in specs):
+    """The smallest bucket of ``specs`` (chains, the longest of ``tokens`` tokens), or None:
+    the step runs eagerly, unpadded (trees, long queries, too many requests)."""
+    if not specs or any(s.parents is not None for s in specs):
         return None
+    q = max(s.query_len for s in specs)
     fits = [b for b in buckets if b.tokens == q and b.requests >= len(specs)]
     return min(fits, key=lambda b: b.requests) if fits else None
 
@@ -75,14 +77,14 @@ class StepBuffers:
         self.width = -(-max_len // block_size)  # blocks per request
         self.max_len = self.width * block_size  # L
         i64, i32 = lambda *shape: np.zeros(shape, np.int64), lambda *shape: np.zeros(shape, np.int32)
-        self.host = {"ids": i64(n), "positions": i64(n), "slot_mapping": i64(n), "block_table": i32(r, self.width),
-                     "cu_seqlens_q": i32(r + 1), "cu_seqlens_k": i32(r + 1)}
+        self.host = {"ids": i64(n), "positions": i64(n), "slot_mapping": i64(n), "block_table": i32(2 * r, self.width),
+                     "cu_seqlens_q": i32(2 * r + 1), "cu_seqlens_k": i32(2 * r + 1)}
         if backend not in BUCKETED_BACKENDS:
             raise ValueError(f"bucketed steps run on the {', '.join(BUCKETED_BACKENDS)} backends, not {backend}")
         self.listed = backend == "cpu"
         if self.listed:
             self.host.update(rows=np.arange(n, dtype=np.int64), start=np.zeros(n, np.int64),
-                             length=np.zeros(n, np.int64), slots=np.zeros(r * self.max_len, np.int64))
+                             length=np.zeros(n, np.int64), slots=np.zeros(2 * r * self.max_len, np.int64))
         self.dev = {k: self._alloc(a) for k, a in self.host.items()}
         self.meta = self._metadata(BUCKETED_BACKENDS[backend])
 
@@ -100,27 +102,34 @@ class StepBuffers:
         return VarlenMetadata(d["slot_mapping"], kernel, [group], [], None, block_size=self.block_size)
 
     def fill(self, specs: list[SeqSpec], input_ids: np.ndarray) -> None:
-        """Writes the step (``specs`` chains of ``bucket.tokens``, flat ``input_ids``) and its
-        padding into the buffers; the host arrays are copied once each, in place."""
+        """Writes the step (``specs``: chains of at most ``bucket.tokens``, flat ``input_ids``)
+        and its padding into the buffers; the host arrays are copied once each, in place."""
         h, (r, q), bs = self.host, (self.bucket.requests, self.bucket.tokens), self.block_size
-        ctx = np.zeros(r, np.int64)
-        ctx[: len(specs)] = [s.context_len for s in specs]
+        n = len(specs)
+        qlen, ctx = np.zeros(2 * r, np.int64), np.zeros(2 * r, np.int64)  # [2R]: the step's requests, then padding
+        qlen[:n], ctx[:n] = [s.query_len for s in specs], [s.context_len for s in specs]
+        left = r * q - int(qlen.sum())
+        pads = -(-left // q)  # padding requests of q tokens, the last one of what is left
+        qlen[n : n + pads] = q
+        if left % q:
+            qlen[n + pads - 1] = left % q
         table = h["block_table"]
         table[:] = self.pad_block  # padding requests, and past each table's end: only the padding block
         for i, s in enumerate(specs):
             blocks = s.block_table[: self.width]
             table[i, : len(blocks)] = blocks
+        req = np.repeat(np.arange(2 * r), qlen)  # [N] request of each token
+        pos = ctx[req] + np.arange(r * q) - (np.cumsum(qlen) - qlen)[req]  # [N]
         h["ids"][:] = 0
         h["ids"][: len(input_ids)] = input_ids
-        pos = ctx[:, None] + np.arange(q)  # [R, Q]
-        h["positions"][:] = pos.reshape(-1)
-        h["slot_mapping"][:] = _slots(table, pos, bs).reshape(-1)
-        h["cu_seqlens_q"][:] = np.arange(r + 1) * q
-        h["cu_seqlens_k"][1:] = np.cumsum(ctx + q)
+        h["positions"][:] = pos
+        h["slot_mapping"][:] = table[req, pos // bs].astype(np.int64) * bs + pos % bs
+        h["cu_seqlens_q"][1:] = np.cumsum(qlen)
+        h["cu_seqlens_k"][1:] = np.cumsum(ctx + qlen)
         if self.listed:
-            h["start"][:] = np.repeat(np.arange(r) * self.max_len, q)
-            h["length"][:] = (pos + 1).reshape(-1)
-            h["slots"][:] = _slots(table, np.broadcast_to(np.arange(self.max_len), (r, self.max_len)), bs).reshape(-1)
+            h["start"][:] = req * self.max_len
+            h["length"][:] = pos + 1
+            h["slots"][:] = _slots(table, np.broadcast_to(np.arange(self.max_len), (2 * r, self.max_len)), bs).reshape(-1)
         self._copy()
 
     def _copy(self) -> None:
