@@ -30,6 +30,7 @@ class ModelConfig:
     # Weights: auto (a GGUF file in its own block formats, a float checkpoint as it is), none
     # (everything in dtype), int8 | int4 (a float checkpoint quantized at load); engine.loader
     quantization: str = "auto"
+    enforce_eager: bool = False  # no CUDA graphs (engine.cuda_graphs); the CPU never uses them
 
     def __post_init__(self):
         check_quantization(self.quantization)

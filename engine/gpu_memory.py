@@ -123,18 +123,20 @@ def _profile_step(model, backend: AttentionBackend, kv: PagedKV, requests: list[
 
 
 def num_kv_blocks(config, spec: KVSpec, model, backend: AttentionBackend, device: torch.device, max_model_len: int,
-                  drafter: DrafterMemory = DrafterMemory()) -> int:
-    """The KV cache's size in blocks for ``config`` (an ``EngineConfig``)."""
+                  drafter: DrafterMemory = DrafterMemory(), graph_bytes: int = 0) -> int:
+    """The KV cache's size in blocks for ``config`` (an ``EngineConfig``); ``graph_bytes``: what
+    the CUDA graphs will hold (``engine.cuda_graphs.graph_pool_bytes``)."""
     if config.cache.num_blocks:
         return config.cache.num_blocks
     if device.type != "cuda":
         return spec.num_blocks_for(config.cache.memory_bytes)
     shape = ProfileShape.of(config, max_model_len)
-    used = profile_used_bytes(model, backend, spec, shape, device) + drafter.weight_bytes
+    used = profile_used_bytes(model, backend, spec, shape, device) + drafter.weight_bytes + graph_bytes
     total = torch.cuda.mem_get_info(device)[1]
     per_block = spec.bytes_per_block() + drafter.bytes_per_block
     blocks = gpu_kv_blocks(total, used, config.cache.gpu_memory_utilization, per_block)
     log.info("GPU memory: %.2f GiB total, %.2f GiB used at the profiled peak (drafter weights %.2f GiB), %d KV blocks "
-             "(%.2f GiB, drafter's included) at utilization %.2f", total / 2**30, used / 2**30,
-             drafter.weight_bytes / 2**30, blocks, blocks * per_block / 2**30, config.cache.gpu_memory_utilization)
+             "(%.2f GiB, drafter's included) at utilization %.2f; CUDA graphs %.2f GiB", total / 2**30, used / 2**30,
+             drafter.weight_bytes / 2**30, blocks, blocks * per_block / 2**30, config.cache.gpu_memory_utilization,
+             graph_bytes / 2**30)
     return blocks

@@ -20,6 +20,7 @@ import torch
 from engine.attention import select_backend
 from engine.attention.backends import flash_attn_status
 from engine.config import EngineConfig
+from engine.cuda_graphs import BucketedForward, bucket_limits, graph_pool_bytes, graphs_apply
 from engine.devices import choose_device
 from engine.distributed import TensorParallelModel, load_target
 from engine.faults import FaultHook
@@ -86,19 +87,26 @@ class LLMEngine:
         spec = KVSpec(hf_config.num_hidden_layers, kv_heads, head_dim_of(hf_config), block_size, kv_dtype)
         needs = (drafter_memory(config.speculative, dtype=dtype, kv_dtype=kv_dtype, block_size=block_size)
                  if drafter is None else None)
+        graphs = graphs_apply(config, model, attention.name, device)
+        graph_bytes = graph_pool_bytes(model, attention.name, spec, self.max_model_len, device,
+                                       *bucket_limits(config)) if graphs and not config.cache.num_blocks else 0
         num_blocks = num_kv_blocks(config, spec, model, attention, device, self.max_model_len,  # GPU: engine.gpu_memory
-                                   needs or DrafterMemory())
+                                   needs or DrafterMemory(), graph_bytes)
         if num_blocks < blocks_needed(self.max_model_len, spec.block_size):
             raise ValueError(
                 f"the KV cache holds {num_blocks * spec.block_size} tokens, fewer than max_model_len="
                 f"{self.max_model_len}; raise the KV-cache budget or lower max_model_len"
             )
         self.kv_manager = KVCacheManager(num_blocks, spec.block_size, config.cache.enable_prefix_caching)
-        self.paged_kv = PagedKV(spec, num_blocks, device)
+        self.paged_kv = PagedKV(spec, num_blocks, device, pad_block=graphs)
         self.runner = ModelRunner(model, self.paged_kv, spec.block_size, device, config.model.seed, attention)
         self.cost_tracker: CostTracker | None = None  # set by _speculation when costs are timed
         self.drafter, self.policy = self._speculation(config, num_blocks, spec, device, dtype, drafter)
         self.runner.feature_layers = self.drafter.feature_layers if self.drafter else ()
+        if graphs and not self.runner.feature_layers:  # a drafter reading features runs every step eagerly
+            self.runner.bucketed = BucketedForward(model, attention.name, self.paged_kv, self.max_model_len, device,
+                                                   *bucket_limits(config), graphs=True)
+            self.runner.bucketed.capture_all()
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.eos_token_ids = eos_token_ids_of(hf_config, tokenizer, generation)
         self.stat_loggers: list = []  # callables taking each step's StepStats

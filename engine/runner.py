@@ -95,6 +95,7 @@ class ModelRunner:
         self._grammar_masks: dict[str, torch.Tensor] = {}  # this step's, see execute
         self.fault_hook = None  # tests: called as hook(stage, request_ids); see engine.faults
         self.feature_layers: tuple[int, ...] = ()  # the drafter's (Drafter.feature_layers)
+        self.bucketed = None  # engine.cuda_graphs.BucketedForward: decodes and chains on static buffers
         torch.manual_seed(seed)
 
     def free(self, request_id: str) -> None:
@@ -173,12 +174,13 @@ class ModelRunner:
         ])
         tables = [self.requests[s.request_id].block_table for s in sched]
         specs = [SeqSpec(s.context_len, len(c), b, t) for s, c, b, t in zip(sched, chains, tables, trees)]
-        meta = self.attention.build_metadata(specs, self.block_size, self.device)
-        ids, pos = self._t(input_ids), self._t(positions)
-        if self.feature_layers:  # hidden [T, hidden], features [T, F]
-            hidden, features = self.model(ids, pos, meta, self.kv, capture=self.feature_layers)
+        bucket = self.bucketed.bucket_for(specs) if self.bucketed and not self.feature_layers else None
+        if bucket is not None:  # static buffers, a CUDA graph's replay where captured
+            hidden, features = self.bucketed.forward(bucket, specs, input_ids), None
+        elif self.feature_layers:  # hidden [T, hidden], features [T, F]
+            hidden, features = self.model(*self._inputs(specs, input_ids, positions), self.kv, capture=self.feature_layers)
         else:
-            hidden, features = self.model(ids, pos, meta, self.kv), None
+            hidden, features = self.model(*self._inputs(specs, input_ids, positions), self.kv), None
         prompt_logprobs = self._prompt_logprobs(hidden, sched, query_lens)
         rows = [i for i, s in enumerate(sched) if s.sample]
         if not rows:
@@ -187,6 +189,11 @@ class ModelRunner:
         # k + 1 rows per sampling request: its last scheduled token and its drafts.
         idx = np.concatenate([np.arange(ends[i] - (len(chains[i]) - len(sched[i].token_ids)) - 1, ends[i]) for i in rows])
         return self.model.compute_logits(hidden[self._t(idx)]), rows, prompt_logprobs, features
+
+    def _inputs(self, specs: list[SeqSpec], input_ids: np.ndarray, positions: np.ndarray) -> tuple:
+        """(ids [T], positions [T], metadata) of an eager step."""
+        meta = self.attention.build_metadata(specs, self.block_size, self.device)
+        return self._t(input_ids), self._t(positions), meta
 
     def _prompt_logprobs(self, hidden: torch.Tensor, sched, query_lens: np.ndarray) -> dict[str, tuple[int, list]]:
         """Logprobs of the prompt tokens that this step's chunks predict, for the

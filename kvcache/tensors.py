@@ -29,10 +29,13 @@ class KVSpec:
 class PagedKV:
     """Holds the KV tensors of every layer. ``layer(i)`` is ``(k_cache, v_cache)``."""
 
-    def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device):
-        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device, pad_block: bool = False):
+        """``pad_block``: one more block, ``num_blocks``, past the manager's: padding rows of a
+        bucketed step write and read there (``engine.step_buffers``)."""
+        shape = (num_blocks + pad_block, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.spec = spec
         self.num_blocks = num_blocks
+        self.pad_block = num_blocks if pad_block else None
         self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
         self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
 

@@ -46,6 +46,10 @@ class ServerSettings(BaseSettings):
         "auto picks flash_attn on CUDA when it is installed, else torch_varlen on CUDA, cpu on a float32 CPU "
         "where the kernels build, else torch",
     )
+    enforce_eager: bool = Field(
+        False, description="run every step eagerly: no CUDA graphs (on CUDA, decodes and chain verification are "
+        "otherwise replayed from graphs captured at start-up; never on the CPU); see docs/gpu.md"
+    )
     speculative_config: dict | None = Field(
         None,
         description='speculative decoding, as JSON: {"method": ' + " | ".join(f'"{m}"' for m in DRAFTERS)
@@ -175,6 +179,7 @@ class ServerSettings(BaseSettings):
                 num_threads=self.num_threads,
                 attention_backend=self.attention_backend,
                 quantization=self.quantization,
+                enforce_eager=self.enforce_eager,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

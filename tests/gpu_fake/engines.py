@@ -32,10 +32,10 @@ def cuda_model(dtype=torch.bfloat16, seed: int = 0, echo: bool = False, **overri
 
 
 def cuda_engine(model, speculative: SpeculativeConfig | None = None, backend: str = "torch_varlen",
-                num_blocks: int = 64, **scheduler) -> LLMEngine:
+                num_blocks: int = 64, enforce_eager: bool = False, **scheduler) -> LLMEngine:
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     config = EngineConfig(
-        ModelConfig(device="cuda", dtype=dtype, max_model_len=256, attention_backend=backend),
+        ModelConfig(device="cuda", dtype=dtype, max_model_len=256, attention_backend=backend, enforce_eager=enforce_eager),
         CacheConfig(num_blocks=num_blocks), SchedulerConfig(max_num_batched_tokens=128, **scheduler),
         speculative or SpeculativeConfig(),
     )

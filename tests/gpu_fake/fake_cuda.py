@@ -18,6 +18,8 @@
 - ``torch.cuda``'s query, memory and synchronization functions are patched: memory is
   what the live fake CUDA tensors hold (``gpu.allocated``, ``gpu.peak``) on a device of
   ``total_bytes``; ``torch.Generator("cuda")`` is a CPU generator that says it is on CUDA.
+- CUDA graphs are captured and replayed by ``tests.gpu_fake.fake_graphs`` (``gpu.graphs``:
+  the graphs made), whose capture fails on a host sync or copy inside the region.
 
 What it cannot show: speed, kernels that exist only in CUDA builds (they fail to
 dispatch, which a test sees), stream races, and the numerics of CUDA kernels (the
@@ -35,6 +37,7 @@ from unittest import mock
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from tests.gpu_fake.fake_graphs import fake_graphs
 from tests.gpu_fake.fake_ops import CUDA, FakeCudaMode, PythonBindings, fake_tolist, set_value, value
 
 _REAL_GENERATOR = torch.Generator
@@ -222,6 +225,7 @@ def fake_cuda(strict: bool = False, **kw):
         stack.enter_context(torch.no_grad())  # autograd on a fake CUDA tensor aborts a CPU build
         stack.enter_context(gpu.mode)
         stack.enter_context(PythonBindings(gpu))
+        gpu.graphs = stack.enter_context(fake_graphs(gpu))  # torch.cuda.CUDAGraph and graph (fake_graphs)
         yield gpu
 
 
