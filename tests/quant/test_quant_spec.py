@@ -47,9 +47,9 @@ def test_the_test_rejects_a_broken_sampler_on_the_quantized_target(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="at hidden size 128 (rows of 4 and 8 blocks of 32 weights) the engine's "
-                   "samples do not follow the quantized target's distribution (p about 1e-7; the float model of "
-                   "the same size passes): under investigation")
+@pytest.mark.xfail(strict=True, reason="with the cpu attention backend (whole-layer C calls on Q4_1 blocks) "
+                   "at hidden size 128 / head size 32, the engine's log-probabilities differ from the layer "
+                   "modules' by up to 0.09 (exact with --attention-backend torch, and in float32)")
 def test_early_exit_rounds_emit_the_quantized_target_distribution_with_multi_block_rows():
     target = quantized_llama(hidden_size=128)
     counts = sample_joint(make_engine(target, None), SETTINGS[0], NUM_SAMPLES)
