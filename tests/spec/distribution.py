@@ -190,22 +190,25 @@ def resample_from_p(p, q):
 # ---- a tiny multi-layer Llama whose first layer drafts for it (early exit, EAGLE) ----
 
 
-def tiny_llama(seed: int = 0):
+def tiny_llama(seed: int = 0, hidden_size: int = 32):
+    """``hidden_size``: a multiple of 32 (quantized rows of several 32-weight blocks past 32); the
+    weights scale with 1/sqrt(hidden_size / 32), so every size has logits of the same order."""
     from transformers import LlamaConfig
 
     from engine.models.llama import LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=V, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
     )
     gen = torch.Generator().manual_seed(seed)
     model = LlamaForCausalLM(cfg)
+    scale = (32 / hidden_size) ** 0.5
     with torch.no_grad():
         for name, param in model.named_parameters():
             # Later layers get smaller weights, so the first layer alone is a fair draft.
             std = 0.5 if "embed" in name or "lm_head" in name else 0.3 if "layers.0." in name else 0.25
-            param.copy_(torch.randn(param.shape, generator=gen) * std)
+            param.copy_(torch.randn(param.shape, generator=gen) * std * (1.0 if "embed" in name else scale))
             if "norm" in name:
                 param.fill_(1.0)
     return model.eval()
