@@ -68,7 +68,9 @@ def test_graph_memory_comes_out_of_the_kv_budget():
 
 
 def test_graphs_only_on_cuda_without_enforce_eager():
-    config = lambda eager: EngineConfig(ModelConfig(enforce_eager=eager))
+    def config(eager: bool) -> EngineConfig:
+        return EngineConfig(ModelConfig(enforce_eager=eager))
+
     with fake_cuda():
         m = cuda_model()
         assert graphs_apply(config(False), m, "flash_attn", torch.device("cuda"))

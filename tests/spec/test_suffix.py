@@ -10,7 +10,6 @@ from drafters.suffix import SuffixDrafter, SuffixIndex
 from engine.config import SpeculativeConfig
 from engine.spec_decode import tree_sampler
 from tests.spec.test_tree_engine import (
-    GREEDY_PROMPTS,
     SETTINGS,
     bigram_logits,
     greedy_run,
