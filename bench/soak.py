@@ -1,4 +1,4 @@
-"""Soak test: an hour (by default) of mixed traffic at 32 concurrent against one server; nothing lost, leaked or drifting.
+"""Mixed traffic for an hour (by default) at 32 concurrent: nothing lost, leaked or drifting.
 
     .venv/bin/python -m bench soak [--seconds 3600] [--warmup 300] [--window 300] [--concurrency 32]
                                    [--method ngram] [--max-tokens 8,48]
