@@ -227,3 +227,21 @@ def test_abort_frees_blocks_of_running_and_waiting_requests(make_engine, mixed_p
     assert engine.kv_manager.num_free_blocks == free - len(engine.kv_manager.block_table("a1"))
     engine.abort_request("a1")
     assert not engine.has_unfinished() and engine.kv_manager.num_free_blocks == free
+
+
+def test_readme_chat_example_answers_as_documented(default_engine, default_tokenizer):
+    """The README's chat question, asked of the default model as the README serves it, gets the
+    answer docs/serving.md prints for it (a new user's first request)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    readme, serving = (root / "README.md").read_text(), (root / "docs" / "serving.md").read_text()
+    (question,) = set(re.findall(r'"content": "([^"]+)"\}\]', readme))
+    assert question in serving
+    (answer,) = re.findall(r"print\(chat\.choices\[0\]\.message\.content\)  # (.+)", serving)
+    text = default_tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                 tokenize=False)
+    (out,) = run(default_engine, [default_tokenizer.encode(text, add_special_tokens=False)], greedy(32, ignore_eos=False),
+                 prefix="readme")
+    assert out.text == answer
