@@ -17,6 +17,8 @@ compiler (``compile_library``, which other kernel files can use for their own li
 which releases the GIL during the call. Without a compiler, AVX2 or FMA, or with
 ``SPECSERVE_CPU_KERNELS=0``, ``load()`` returns None and the torch ops do everything;
 ``SPECSERVE_CPU_AVX512=0`` keeps the AVX2 build on an AVX-512 CPU.
+``SPECSERVE_CPU_SANITIZE=1`` builds every C library (``compile_library``) under
+AddressSanitizer and UBSan, for tests (docs/testing.md): the process must preload libasan.
 """
 
 import ctypes
@@ -41,6 +43,8 @@ SOURCES = ("cpu_kernels.c", "matmul.c", "attention.c", "attention_bf16.c", "moe.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 AVX512 = ("-mavx512f",)  # added where the CPU has it, unless SPECSERVE_CPU_AVX512=0
 AMD = ("-DAVX512_AMD",)  # AVX-512 on an AMD CPU: few rows' weights read 4 panels side by side, attention read ahead
+SANITIZE = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined", "-g",
+            "-O1")  # last -O wins: an instrumented -O3 build of quant_kernels.c compiles for minutes
 
 
 def _cpu_supports() -> bool:
@@ -72,7 +76,10 @@ def _cache_dir() -> Path:
 def compile_library(name: str, sources: list[Path], compiler: str, flags: tuple[str, ...]) -> Path:
     """The shared library ``name`` built from C ``sources`` (with the headers beside them) by
     ``compiler`` with ``flags``: compiled once into the cache directory, keyed by a hash of the
-    sources, the headers, the compiler and the flags; returns its path."""
+    sources, the headers, the compiler and the flags; returns its path. With
+    ``SPECSERVE_CPU_SANITIZE=1`` the flags gain ``SANITIZE``, so its builds have their own keys."""
+    if os.environ.get("SPECSERVE_CPU_SANITIZE", "0") == "1":
+        flags = (*flags, *SANITIZE)
     digest = hashlib.sha256(" ".join((compiler, *flags)).encode())
     headers = sorted({h for s in sources for h in s.parent.glob("*.h")})
     for path in [*sources, *headers]:
