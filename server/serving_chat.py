@@ -115,9 +115,12 @@ def _content(message: ChatMessage, index: int) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     texts = []
-    for part in message.content:
-        if part.type != "text" or part.text is None:
+    for j, part in enumerate(message.content):
+        if part.type != "text":
             raise unsupported(f"messages.{index}.content", f" (content part of type '{part.type}'; only text)")
+        if part.text is None:
+            where = f"messages.{index}.content"
+            raise bad_request(f"{where}.{j} is a text part without its 'text'", param=where)
         texts.append(part.text)
     return "".join(texts)
 

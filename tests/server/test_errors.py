@@ -104,6 +104,16 @@ def test_chat_invalid_values_are_400(http, fields, param):
     assert_error(http.post("/v1/chat/completions", json=body), 400, param=param)
 
 
+def test_messages_of_bad_parts_say_what_is_wrong(http):
+    """Each 400 names the fault itself: a text part that lacks its text, an empty stop string."""
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "text"}]}]}
+    error = assert_error(http.post("/v1/chat/completions", json=body), 400, param="messages.0.content", code="invalid_value")
+    assert error["message"] == "messages.0.content.0 is a text part without its 'text'"
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "stop": ["a", ""]}
+    assert assert_error(http.post("/v1/completions", json=body), 400, param="stop")["message"] == (
+        "stop must not hold an empty string")
+
+
 def test_malformed_json_is_400(http):
     r = http.post("/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"})
     assert_error(r, 400, code="invalid_json")
