@@ -103,7 +103,7 @@ def _plain(message: ChatMessage, index: int) -> dict:
     """A message as the chat template takes it; an assistant's earlier tool calls in the call format."""
     plain = {"role": _role(message.role), "content": _content(message, index)}
     if message.tool_calls:
-        plain["content"] = render_call_history(plain, message.tool_calls)
+        plain["content"] = render_call_history(plain, message.tool_calls, f"messages.{index}.tool_calls")
     return plain
 
 

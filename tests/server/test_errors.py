@@ -90,6 +90,8 @@ CHAT_400 = [
         "messages.0.content",
     ),
     ({"messages": [{"role": "user", "content": "word " * (MAX_MODEL_LEN + 50)}], "max_tokens": None}, "messages"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "function": ["f"]}]}]}, "messages.0.tool_calls"),
+    ({"messages": [*MSG, {"role": "assistant", "tool_calls": [{"function": "f"}]}]}, "messages.1.tool_calls"),
     ({"logprobs": True, "top_logprobs": 21}, "logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"n": 9}, "n"),
