@@ -1,7 +1,7 @@
 """Schemathesis fuzzes specserve against vLLM's OpenAPI document (completions, chat, models).
 
     .venv/bin/python -m bench schemathesis [--max-examples 40] [--seed 53] [--model PATH]
-        [--max-model-len 256] [--timeout 1200]
+        [--max-model-len 64] [--timeout 1200]
 
 Serves ``--model`` (default: the default model) with prompt lookup on (so the speculative
 path is fuzzed too) and a short context, so that a fuzzed ``max_tokens`` beyond the
@@ -65,10 +65,10 @@ def server_args(model: str | None, max_model_len: int) -> list[str]:
             "--speculative-config", json.dumps(NGRAM), "--log-level", "warning"]
 
 
-def st_command(url: str, seed: int, max_examples: int, request_timeout: float) -> list[str]:
+def st_command(url: str, seed: int, max_examples: int, request_timeout: float, phases: str) -> list[str]:
     st = Path(sys.executable).with_name("st")
     return [str(st), "run", str(DOCUMENT), "--url", url, "--checks", ",".join(CHECKS),
-            "--phases", "examples,coverage,fuzzing,stateful", "--seed", str(seed), "--max-examples", str(max_examples),
+            "--phases", phases, "--seed", str(seed), "--max-examples", str(max_examples),
             "--request-timeout", str(request_timeout), "--workers", "1", "--generation-database", "none",
             "--suppress-health-check", "all", "--no-color"]
 
@@ -84,8 +84,9 @@ def tally(path: Path) -> tuple[dict, collections.Counter]:
     return {op: dict(sorted(c.items())) for op, c in sorted(counts.items())}, +messages
 
 
-def fuzz(model: str | None = None, max_model_len: int = 256, seed: int = 53, max_examples: int = 40,
-         request_timeout: float = 60, timeout: float = 1200, log_dir: str | None = None) -> Fuzz:
+def fuzz(model: str | None = None, max_model_len: int = 64, seed: int = 53, max_examples: int = 40,
+         request_timeout: float = 60, timeout: float = 1200, log_dir: str | None = None,
+         phases: str = "examples,coverage,fuzzing,stateful") -> Fuzz:
     """Serves ``model`` and runs schemathesis against it; at most ``timeout`` seconds for st."""
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(log_dir or tmp)
@@ -96,11 +97,12 @@ def fuzz(model: str | None = None, max_model_len: int = 256, seed: int = 53, max
                    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
             t0 = time.monotonic()
             try:
-                done = subprocess.run(st_command(url, seed, max_examples, request_timeout), cwd=tmp, env=env,
+                done = subprocess.run(st_command(url, seed, max_examples, request_timeout, phases), cwd=tmp, env=env,
                                       capture_output=True, text=True, timeout=timeout)
                 rc, out = done.returncode, done.stdout + done.stderr
             except subprocess.TimeoutExpired as e:
-                rc, out = 124, f"st did not finish within {timeout:.0f} s\n{e.stdout or ''}"
+                partial = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
+                rc, out = 124, f"{partial}\nst did not finish within {timeout:.0f} s"
             seconds = time.monotonic() - t0
         return Fuzz(rc, seconds, *tally(status_log), out)
 
@@ -125,7 +127,7 @@ def report(result: Fuzz, args) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a local checkpoint or .gguf (default: the default model)")
-    p.add_argument("--max-model-len", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=53)
     p.add_argument("--max-examples", type=int, default=40, help="test cases per operation and phase")
     p.add_argument("--request-timeout", type=float, default=60)
