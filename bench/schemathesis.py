@@ -1,14 +1,14 @@
 """Schemathesis fuzzes specserve against vLLM's OpenAPI document (completions, chat, models).
 
     .venv/bin/python -m bench schemathesis [--max-examples 40] [--seed 53] [--model PATH]
-        [--max-model-len 64] [--timeout 1200]
+        [--max-model-len 64] [--timeout 1200] [--phases examples,fuzzing,stateful]
 
 Serves ``--model`` (default: the default model) with prompt lookup on (so the speculative
 path is fuzzed too) and a short context, so that a fuzzed ``max_tokens`` beyond the
 context left is refused at once. Then runs ``st run`` on ``bench/data/vllm_openapi.json``
 (vLLM's document, cut to the three operations: bench/data/README.md), one worker, a fixed
-seed, a capped number of examples per operation, every phase (examples, coverage,
-fuzzing, stateful), a timeout per request and one for the whole run. The checks: no 5xx,
+seed, a capped number of examples per operation, the phases asked for (examples,
+fuzzing and stateful by default; coverage too with ``--phases``), a timeout per request and one for the whole run. The checks: no 5xx,
 status codes, content types, headers and bodies conforming to vLLM's document (its error
 ``code`` widened to OpenAI's string: ``bench/schemathesis_hooks.py``), every 4xx an OpenAI
 error object, 405 with ``Allow`` for other methods. Not checked: whether a schema-valid
@@ -132,8 +132,11 @@ def main() -> int:
     p.add_argument("--max-examples", type=int, default=40, help="test cases per operation and phase")
     p.add_argument("--request-timeout", type=float, default=60)
     p.add_argument("--timeout", type=float, default=1200, help="seconds st may run in all")
+    p.add_argument("--phases", default="examples,fuzzing,stateful",
+                   help="st's phases; coverage (boundary values of every field) adds many minutes on 2 cores")
     args = p.parse_args()
-    result = fuzz(args.model, args.max_model_len, args.seed, args.max_examples, args.request_timeout, args.timeout)
+    result = fuzz(args.model, args.max_model_len, args.seed, args.max_examples, args.request_timeout, args.timeout,
+                  phases=args.phases)
     print(result.output)
     path = write_report("schemathesis", "Schemathesis against vLLM's OpenAPI document", report(result, args),
                         "python -m bench schemathesis")
