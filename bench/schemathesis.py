@@ -8,7 +8,8 @@ path is fuzzed too) and a short context, so that a fuzzed ``max_tokens`` beyond 
 context left is refused at once. Then runs ``st run`` on ``bench/data/vllm_openapi.json``
 (vLLM's document, cut to the three operations: bench/data/README.md), one worker, a fixed
 seed, a capped number of examples per operation, the phases asked for (examples,
-fuzzing and stateful by default; coverage too with ``--phases``), a timeout per request and one for the whole run. The checks: no 5xx,
+fuzzing and stateful by default; coverage too with ``--phases``), a timeout per request
+and one for the whole run. The checks: no 5xx,
 status codes, content types, headers and bodies conforming to vLLM's document (its error
 ``code`` widened to OpenAI's string: ``bench/schemathesis_hooks.py``), every 4xx an OpenAI
 error object, 405 with ``Allow`` for other methods. Not checked: whether a schema-valid
@@ -113,6 +114,7 @@ def report(result: Fuzz, args) -> str:
     model = args.model or "the default model (SmolLM2-135M-Instruct, Q4_1 GGUF)"
     return "\n\n".join([
         f"Server: {model}, `{' '.join(server_args(None, args.max_model_len)[:-2])}`.",
+        f"Phases: {args.phases}; at most {args.max_examples} examples per operation; seed {args.seed}.",
         f"st ran {result.seconds:.0f} s (bound {args.timeout:.0f} s), exit code {result.returncode}; "
         f"{result.server_errors} responses with a 5xx.",
         markdown_table(["operation", "statuses", "requests"], rows),
