@@ -98,7 +98,7 @@ class SamplingParams:
             _check(
                 math.isfinite(bias) and -100 <= bias <= 100, "logit_bias", f"values must be in [-100, 100], got {bias}"
             )
-        _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
+        _check(all(s for s in self.stop), "stop", "must not hold an empty string")
 
     @property
     def greedy(self) -> bool:

@@ -103,7 +103,7 @@ def _plain(message: ChatMessage, index: int) -> dict:
     """A message as the chat template takes it; an assistant's earlier tool calls in the call format."""
     plain = {"role": _role(message.role), "content": _content(message, index)}
     if message.tool_calls:
-        plain["content"] = render_call_history(plain, message.tool_calls)
+        plain["content"] = render_call_history(plain, message.tool_calls, f"messages.{index}.tool_calls")
     return plain
 
 
@@ -115,9 +115,12 @@ def _content(message: ChatMessage, index: int) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     texts = []
-    for part in message.content:
-        if part.type != "text" or part.text is None:
+    for j, part in enumerate(message.content):
+        if part.type != "text":
             raise unsupported(f"messages.{index}.content", f" (content part of type '{part.type}'; only text)")
+        if part.text is None:
+            where = f"messages.{index}.content"
+            raise bad_request(f"{where}.{j} is a text part without its 'text'", param=where)
         texts.append(part.text)
     return "".join(texts)
 

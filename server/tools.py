@@ -139,11 +139,14 @@ def tool_instruction(tools: Tools) -> str:
     )
 
 
-def render_call_history(message: dict[str, Any], tool_calls: list[dict[str, Any]]) -> str:
-    """An assistant message's earlier ``tool_calls`` as text in the call format."""
+def render_call_history(message: dict[str, Any], tool_calls: list[dict[str, Any]], param: str) -> str:
+    """An assistant message's earlier ``tool_calls`` (the request's field ``param``) as
+    text in the call format; a call whose ``function`` is not an object is a 400."""
     rendered = []
-    for call in tool_calls:
+    for j, call in enumerate(tool_calls):
         fn = call.get("function") or {}
+        if not isinstance(fn, dict):
+            raise bad_request(f"{param}.{j}.function must be an object {{\"name\": ..., \"arguments\": ...}}", param=param)
         args = fn.get("arguments") or "{}"
         try:
             args = json.loads(args) if isinstance(args, str) else args

@@ -90,6 +90,8 @@ CHAT_400 = [
         "messages.0.content",
     ),
     ({"messages": [{"role": "user", "content": "word " * (MAX_MODEL_LEN + 50)}], "max_tokens": None}, "messages"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "function": ["f"]}]}]}, "messages.0.tool_calls"),
+    ({"messages": [*MSG, {"role": "assistant", "tool_calls": [{"function": "f"}]}]}, "messages.1.tool_calls"),
     ({"logprobs": True, "top_logprobs": 21}, "logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"n": 9}, "n"),
@@ -102,6 +104,16 @@ CHAT_400 = [
 def test_chat_invalid_values_are_400(http, fields, param):
     body = {"model": MODEL, "messages": MSG, "max_tokens": 2, **fields}
     assert_error(http.post("/v1/chat/completions", json=body), 400, param=param)
+
+
+def test_messages_of_bad_parts_say_what_is_wrong(http):
+    """Each 400 names the fault itself: a text part that lacks its text, an empty stop string."""
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "text"}]}]}
+    error = assert_error(http.post("/v1/chat/completions", json=body), 400, param="messages.0.content", code="invalid_value")
+    assert error["message"] == "messages.0.content.0 is a text part without its 'text'"
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "stop": ["a", ""]}
+    assert assert_error(http.post("/v1/completions", json=body), 400, param="stop")["message"] == (
+        "stop must not hold an empty string")
 
 
 def test_malformed_json_is_400(http):
