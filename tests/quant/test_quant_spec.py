@@ -56,7 +56,7 @@ def drafter(method: str):
     if method == "ngram":
         return NgramDrafter(1, 3)
     if method == "draft_model":
-        draft = quantized_llama(hidden_size=64, seed=2)
+        draft = quantized_llama(hidden_size=64, seed=3)
         return ModelDrafter(draft, 3, 3000, 16, torch.float32, torch.device("cpu"), 0.1, attention=CPU)
     return None
 
