@@ -215,12 +215,18 @@ def tiny_llama(seed: int = 0, hidden_size: int = 32):
 
 
 def llama_logits(model):
-    """``context -> the model's raw next-token logits`` from one fresh prefill, memoized."""
-    from engine.attention import SeqSpec, build_attention_metadata
+    """``context -> the model's raw next-token logits`` from one fresh prefill, memoized, by
+    the forward that ``make_engine``'s engine runs (its default attention backend: on a CPU
+    with the C kernels, one C call per layer), so the expected distribution is the one a
+    plain decode samples. Another forward differs in the last bits, and in quantized
+    layers a last bit can move an activation's 8-bit code and the logits far more."""
+    from engine.attention import SeqSpec
+    from engine.attention.backends import select_backend
     from engine.models.llama import head_dim_of
     from kvcache.tensors import KVSpec, PagedKV
 
     cfg = model.config
+    build_attention_metadata = select_backend("auto", torch.device("cpu"), torch.float32).build_metadata
 
     @functools.cache
     def logits(context: tuple[int, ...]) -> np.ndarray:
