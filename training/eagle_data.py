@@ -82,15 +82,7 @@ def distill(target, prompts: list[list[int]], max_tokens: int, layers, eos: set[
     waiting = list(range(len(prompts)))[::-1]
     feed: dict[int, tuple[int, list[int]]] = {}  # place -> (chat, its tokens of this pass)
     while waiting or feed:
-        tokens_in_pass = len(feed)  # the decoding chats' one token each
-        for place in range(min(batch, len(prompts))):
-            if place in feed or not waiting:
-                continue
-            if feed and tokens_in_pass + len(prompts[waiting[-1]]) > PASS_TOKENS:
-                break  # the rest next pass: a pass's activations stay bounded
-            c = waiting.pop()
-            feed[place] = (c, prompts[c])
-            tokens_in_pass += len(prompts[c])
+        _admit(feed, waiting, prompts, min(batch, len(prompts)))
         places = sorted(feed)
         specs = [SeqSpec(len(chats[feed[q][0]]) - len(feed[q][1]), len(feed[q][1]), list(range(q * per, (q + 1) * per)))
                  for q in places]
@@ -122,6 +114,21 @@ def distill(target, prompts: list[list[int]], max_tokens: int, layers, eos: set[
         top_ids=ids_out[keep],
         top_p=p_out[keep],
     )
+
+
+def _admit(feed: dict[int, tuple[int, list[int]]], waiting: list[int], prompts: list[list[int]], places: int) -> None:
+    """Each free place of ``places`` gets the next waiting chat (``waiting``'s last), its prompt
+    to feed, while the pass's tokens stay within ``PASS_TOKENS`` (the rest wait for the next
+    pass: a pass's activations stay bounded)."""
+    tokens_in_pass = len(feed)  # the decoding chats' one token each
+    for place in range(places):
+        if place in feed or not waiting:
+            continue
+        if feed and tokens_in_pass + len(prompts[waiting[-1]]) > PASS_TOKENS:
+            break
+        c = waiting.pop()
+        feed[place] = (c, prompts[c])
+        tokens_in_pass += len(prompts[c])
 
 
 def _labels(target, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

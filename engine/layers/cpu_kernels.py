@@ -11,8 +11,9 @@ small torch ops (each handing off to the thread pool), ``moe`` runs a mixture of
 (routing, experts, weighted sum) in one call, and ``decoder_layer`` a whole layer.
 Together they make the engine batch invariant, bit for bit.
 
-The C sources (``csrc/``) are compiled once per machine and flag set with the system's C
-compiler (``compile_library``, which other kernel files can use for their own library) into
+The C sources (``csrc/``: ``specserve_kernels.h`` declares what is called from here) are
+compiled once per machine and flag set with the system's C compiler (``compile_library``,
+which other kernel files can use for their own library) into
 ``$XDG_CACHE_HOME/specserve/kernels`` (``~/.cache`` by default) and loaded with ctypes,
 which releases the GIL during the call. Without a compiler, AVX2 or FMA, or with
 ``SPECSERVE_CPU_KERNELS=0``, ``load()`` returns None and the torch ops do everything;
@@ -39,7 +40,7 @@ from engine.devices import cpu_flags
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("cpu_kernels.c", "matmul.c", "attention.c", "attention_bf16.c", "moe.c")  # in CSRC, with its headers
+QUANT_SOURCE = "quant_kernels.c"  # in CSRC, a library of its own (engine/layers/quant.py)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 AVX512 = ("-mavx512f",)  # added where the CPU has it, unless SPECSERVE_CPU_AVX512=0
 AMD = ("-DAVX512_AMD",)  # AVX-512 on an AMD CPU: few rows' weights read 4 panels side by side, attention read ahead
@@ -73,18 +74,27 @@ def _cache_dir() -> Path:
     return Path(root) / "specserve" / "kernels"
 
 
-def compile_library(name: str, sources: list[Path], compiler: str, flags: tuple[str, ...]) -> Path:
-    """The shared library ``name`` built from C ``sources`` (with the headers beside them) by
-    ``compiler`` with ``flags``: compiled once into the cache directory, keyed by a hash of the
-    sources, the headers, the compiler and the flags; returns its path. With
-    ``SPECSERVE_CPU_SANITIZE=1`` the flags gain ``SANITIZE``, so its builds have their own keys."""
-    if os.environ.get("SPECSERVE_CPU_SANITIZE", "0") == "1":
-        flags = (*flags, *SANITIZE)
+def _sanitized(flags: tuple[str, ...]) -> tuple[str, ...]:
+    """With ``SPECSERVE_CPU_SANITIZE=1`` the flags gain ``SANITIZE``, so its builds have their own keys."""
+    return (*flags, *SANITIZE) if os.environ.get("SPECSERVE_CPU_SANITIZE", "0") == "1" else flags
+
+
+def library_path(name: str, sources: list[Path], compiler: str, flags: tuple[str, ...]) -> Path:
+    """Where ``compile_library`` keeps the library: in the cache directory, keyed by a hash of
+    the sources, the headers beside them, the compiler and the flags (``_sanitized``)."""
+    flags = _sanitized(flags)
     digest = hashlib.sha256(" ".join((compiler, *flags)).encode())
     headers = sorted({h for s in sources for h in s.parent.glob("*.h")})
     for path in [*sources, *headers]:
         digest.update(path.name.encode() + path.read_bytes())
-    out = _cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
+    return _cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
+
+
+def compile_library(name: str, sources: list[Path], compiler: str, flags: tuple[str, ...]) -> Path:
+    """The shared library ``name`` built from C ``sources`` (with the headers beside them) by
+    ``compiler`` with ``flags``, each source its own translation unit: compiled once
+    (``library_path``); returns its path."""
+    out, flags = library_path(name, sources, compiler, flags), _sanitized(flags)
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -112,10 +122,15 @@ def load():
         return None
 
 
+def sources(csrc: Path = CSRC) -> list[Path]:
+    """The C files of the kernels' library: every one in ``csrc`` but ``QUANT_SOURCE``."""
+    return sorted(p for p in csrc.glob("*.c") if p.name != QUANT_SOURCE)
+
+
 def build(compiler: str, flags: tuple[str, ...], csrc: Path = CSRC):
     """The library compiled with ``flags`` (cached on disk) from the sources in ``csrc`` (another
     checkout's, for a benchmark's baseline), its functions typed."""
-    lib = ctypes.CDLL(str(compile_library("cpu_kernels", [csrc / f for f in SOURCES], compiler, flags)))
+    lib = ctypes.CDLL(str(compile_library("cpu_kernels", sources(csrc), compiler, flags)))
     lib.matmul_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.weight_panel.argtypes = ()
     lib.weight_panel.restype = ctypes.c_int
@@ -126,10 +141,9 @@ def build(compiler: str, flags: tuple[str, ...], csrc: Path = CSRC):
         )
     lib.silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.rope_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-    lib.decoder_layer_f32.argtypes = (
-        [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 13 + [ctypes.c_int]
-        + [ctypes.c_void_p] * 8 + [ctypes.c_int]
-    )
+    lib.decoder_layer_f32.argtypes = [ctypes.POINTER(LayerArgs), ctypes.POINTER(StepArgs), ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.moe_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     for f in (lib.matmul_f32, lib.rms_norm_f32, lib.silu_mul_f32, lib.rope_f32):
         f.restype = None
@@ -142,7 +156,7 @@ class KernelError(RuntimeError):
     """A C kernel returned an error code: its output is unwritten, so the step must fail."""
 
 
-NO_MEMORY = -2  # csrc/common.h KERNEL_NO_MEMORY
+NO_MEMORY = -2  # csrc/specserve_kernels.h KERNEL_NO_MEMORY
 
 
 def check(rc: int, kernel: str) -> None:
@@ -152,7 +166,7 @@ def check(rc: int, kernel: str) -> None:
         raise KernelError(f"the C kernel {kernel} failed: {why}")
 
 
-KV_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # the cache element types of the kernels (csrc/common.h KV_F32, KV_BF16)
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' cache element types (specserve_kernels.h KV_F32, KV_BF16)
 
 
 def kv_type(cache: torch.Tensor) -> int:
@@ -255,7 +269,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 class MoEArgs(ctypes.Structure):
-    """A mixture of experts as ``moe`` and ``decoder_layer`` take it (csrc/common.h ``moe_t``):
+    """A mixture of experts as ``moe`` and ``decoder_layer`` take it (csrc/specserve_kernels.h ``moe_t``):
     built by ``moe_args``, which keeps what it points to alive."""
 
     _fields_ = [("experts", ctypes.c_int64), ("top_k", ctypes.c_int64), ("inter", ctypes.c_int64),
@@ -290,15 +304,27 @@ def moe(x: torch.Tensor, args: MoEArgs) -> torch.Tensor:
     return out
 
 
+class LayerArgs(ctypes.Structure):
+    """A decoder layer's constants as ``decoder_layer`` takes them (csrc/specserve_kernels.h
+    ``layer_t``, field for field): built by ``layer_args``, which keeps what it points to alive."""
+
+    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p),
+                ("w_qkv", ctypes.c_void_p), ("w_o", ctypes.c_void_p), ("w_gu", ctypes.c_void_p),
+                ("w_down", ctypes.c_void_p), ("b_qkv", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("mm", ctypes.c_void_p), ("moe", ctypes.c_void_p)]
+
+
 def layer_args(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
                norms: tuple[torch.Tensor, torch.Tensor], matrices: tuple[KernelWeight | None, ...],
                qkv_bias: torch.Tensor | None = None, qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None,
-               matmul: int | None = None, moe: MoEArgs | None = None) -> tuple:
+               matmul: int | None = None, moe: MoEArgs | None = None) -> LayerArgs:
     """A decoder layer's constant arguments of ``decoder_layer``: its sizes, and the addresses
     of its input and post-attention norms' weights (float32, contiguous), of its qkv, o,
     gate+up and down matrices (``kernel_weight``; or, with ``matmul``, the address of a C
-    function of csrc/cpu_kernels.c's ``layer_matmul_fn``, the handles it reads, as ints), and
-    of its qkv bias and per-head q and k norm weights where it has them, none of them ever
+    function of csrc/specserve_kernels.h's ``layer_matmul_fn``, the handles it reads, as ints),
+    and of its qkv bias and per-head q and k norm weights where it has them, none of them ever
     moved afterwards. With ``moe`` (``moe_args``) the mixture of experts replaces the gated
     MLP: gate+up and down are then None, ``inter`` 0."""
     extra = (qkv_bias,) + (qk_norms or (None, None))
@@ -306,33 +332,46 @@ def layer_args(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int
     ln1, ln2 = (w.data_ptr() for w in norms)
     qkv, o, gate_up, down = (m if m is None or isinstance(m, int) else m.data.data_ptr() for m in matrices)
     b_qkv, q_norm, k_norm = (None if t is None else t.data_ptr() for t in extra)
-    return (hidden, heads, kv_heads, head_dim, inter, eps, head_dim**-0.5, ln1, qkv, o, ln2, gate_up, down,
-            b_qkv, q_norm, k_norm, matmul, None if moe is None else ctypes.addressof(moe))
+    args = LayerArgs(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter, eps=eps,
+                     scale=head_dim**-0.5, ln1=ln1, ln2=ln2, w_qkv=qkv, w_o=o, w_gu=gate_up, w_down=down,
+                     b_qkv=b_qkv, q_norm=q_norm, k_norm=k_norm, mm=matmul,
+                     moe=None if moe is None else ctypes.addressof(moe))
+    args.kept = (norms, matrices, extra, moe)  # what the addresses point into
+    return args
+
+
+class StepArgs(ctypes.Structure):
+    """A step's arguments of ``decoder_layer`` (csrc/specserve_kernels.h ``step_t``, field for
+    field): built by ``step_args``."""
+
+    _fields_ = [("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("slot_mapping", ctypes.c_void_p),
+                ("rows", ctypes.c_void_p), ("start", ctypes.c_void_p), ("len", ctypes.c_void_p),
+                ("slots", ctypes.c_void_p), ("scratch", ctypes.c_void_p)]
 
 
 def step_args(cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor,
-              start: torch.Tensor, length: torch.Tensor, slots: torch.Tensor, scratch: torch.Tensor) -> tuple:
+              start: torch.Tensor, length: torch.Tensor, slots: torch.Tensor, scratch: torch.Tensor) -> StepArgs:
     """A step's arguments of ``decoder_layer``, the same for every layer: cos, sin [T, 1, D]
     contiguous, the listed attention metadata (``ListedQueries``) of every token, and a
     float32 scratch of ``scratch_size`` floats. The tensors must outlive the step."""
-    return tuple(t.data_ptr() for t in (cos, sin, slot_mapping, rows, start, length, slots, scratch))
+    return StepArgs(*(t.data_ptr() for t in (cos, sin, slot_mapping, rows, start, length, slots, scratch)))
 
 
 def scratch_size(tokens: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int) -> int:
     return tokens * (2 * hidden + (2 * heads + 3 * kv_heads) * head_dim + heads * head_dim + 3 * inter)
 
 
-def decoder_layer(x: torch.Tensor, layer: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor, step: tuple,
+def decoder_layer(x: torch.Tensor, layer: LayerArgs, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepArgs,
                   attn_in: torch.Tensor | None = None) -> None:
     """One decoder layer in place on x [T, hidden] (contiguous) for a step whose tokens
     all attend through listed slots: the same kernels, in the same order, as the model's
-    own forward, in one call (csrc/cpu_kernels.c, ``decoder_layer_f32``). ``layer`` from
+    own forward, in one call (csrc/layer.c, ``decoder_layer_f32``). ``layer`` from
     ``layer_args``, ``step`` from ``step_args``; k_cache, v_cache [blocks, block_size, KVH, D].
     ``attn_in`` [T, In] (contiguous): the attention's whole input in place of the input
     norm of x (an EAGLE head's layer; ``layer``'s qkv weight is then [.., In]). The caches are
     float32 or bfloat16 (``kv_type``: the new keys and values rounded to nearest even)."""
     ptr, width = (None, 0) if attn_in is None else (attn_in.data_ptr(), attn_in.shape[1])
     assert v_cache.dtype == k_cache.dtype
-    rc = load().decoder_layer_f32(x.data_ptr(), ptr, width, x.shape[0], *layer, k_cache.data_ptr(),
-                                  v_cache.data_ptr(), kv_type(k_cache), *step, torch.get_num_threads())
+    rc = load().decoder_layer_f32(layer, step, x.data_ptr(), ptr, width, x.shape[0], k_cache.data_ptr(),
+                                  v_cache.data_ptr(), kv_type(k_cache), torch.get_num_threads())
     check(rc, "decoder_layer")

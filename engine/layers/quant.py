@@ -193,7 +193,7 @@ def panel(w: QuantWeight) -> torch.Tensor:
     return out
 
 
-class _Matrix(ctypes.Structure):  # csrc/quant_kernels.c, quant_matrix
+class _Matrix(ctypes.Structure):  # csrc/specserve_kernels.h, quant_matrix
     _fields_ = [("parts", ctypes.c_int), ("fmts", ctypes.c_void_p), ("ws", ctypes.c_void_p), ("ns", ctypes.c_void_p)]
 
 

@@ -232,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
                 or not cpu_kernels.usable(hidden)):
             return None
         attn = self.layers[0].self_attn
-        inter = max(args[4] for args in self.fused)  # the widest dense MLP's (a MoE layer's is 0)
+        inter = max(args.inter for args in self.fused)  # the widest dense MLP's (a MoE layer's is 0)
         size = cpu_kernels.scratch_size(t, hidden.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim, inter)
         kept, steps = [torch.empty(size)], {}
         for kind, window in dict.fromkeys(zip(self.arch.rope_kinds, self.arch.windows)):

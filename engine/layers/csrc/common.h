@@ -1,5 +1,5 @@
-/* What the CPU kernels' C files share (built into one library by
- * engine/layers/cpu_kernels.py): the vector helpers, and the kernels one file calls in another. */
+/* What the cpu_kernels library's C files share and the Python side never calls (that is
+ * specserve_kernels.h): the vector helpers, and grouped_matmul_f32. */
 #ifndef SPECSERVE_COMMON_H
 #define SPECSERVE_COMMON_H
 #include <immintrin.h>
@@ -69,35 +69,8 @@ static inline __m512 bf16x16_to_f32(const uint16_t *p) {
 }
 #endif
 
-/* The element type of a paged KV cache, as cpu_kernels.py passes it. */
-enum { KV_F32 = 0, KV_BF16 = 1 };
-
-/* The kernels that allocate return int: 0, or KERNEL_NO_MEMORY (their outputs unwritten). */
-enum { KERNEL_NO_MEMORY = -2 };
-
-void matmul_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K, int num_threads);
+/* y[g] [M[g], N] = x[g] [M[g], K] @ w[g]^T for G products of the same N and K (matmul.c; moe.c's
+ * experts); 0 or KERNEL_NO_MEMORY. */
 int grouped_matmul_f32(int64_t G, const float *const *x, const float *const *w, float *const *y, const int64_t *M,
-                        int64_t N, int64_t K, int num_threads);
-void rms_norm_f32(const float *x, const float *w, float *y, int64_t T, int64_t H, float eps, int num_threads);
-int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                         const int64_t *rows, const int64_t *start, const int64_t *len, const int64_t *slots,
-                         float *out, int64_t n, int64_t H, int64_t KVH, int64_t D, float scale, int num_threads);
-int paged_attention_kv_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
-                             const int64_t *rows, const int64_t *start, const int64_t *len, const int64_t *slots,
-                             float *out, int64_t n, int64_t H, int64_t KVH, int64_t D, float scale, int num_threads);
-void silu_mul_f32(const float *gu, float *out, int64_t T, int64_t I, int num_threads);
-
-/* A sparse mixture-of-experts MLP (moe.c): every weight [out, in] in matmul_f32's layout. */
-typedef struct {
-    int64_t experts, top_k, inter; /* E experts of intermediate size I (this rank's rows), top_k per token */
-    int64_t normalize;             /* the chosen probabilities renormalized to sum 1 */
-    int64_t shared_inter;          /* S: the shared expert's intermediate size, 0 where there is none */
-    const float *router;           /* [E, Hd] */
-    const float *const *gate_up;   /* [E] experts' [2 I, Hd] (gate rows, then up rows) */
-    const float *const *down;      /* [E] experts' [Hd, I] */
-    const float *shared_gate;      /* [1, Hd] */
-    const float *shared_gate_up;   /* [2 S, Hd] */
-    const float *shared_down;      /* [Hd, S] */
-} moe_t;
-int moe_f32(const moe_t *m, const float *h, float *out, int64_t T, int64_t Hd, int num_threads);
+                       int64_t N, int64_t K, int num_threads);
 #endif

@@ -25,6 +25,7 @@
  * overlaps the arithmetic (the first group read them alone, at memory speed, before the
  * others computed); RB x PV FMAs for PV + RB loads. */
 #include "common.h"
+#include "specserve_kernels.h"
 
 #ifdef __AVX512F__
 #define VW 16
@@ -77,10 +78,10 @@ static inline void store_part(float *y, vec v, int64_t cols) {
  * loaded is the same float: the chain, and its bits, are those of one pass).
  * Prefetch: with `ahead`, the panel that many floats ahead; else the floats [pf, pf_end)
  * into L2, spread evenly over the k steps. */
-static inline __attribute__((always_inline)) void panel_rows(const float *p, int S, const float *x, int64_t K, int R,
-                                                              int64_t k0, int64_t k1, float *acc, int64_t ahead,
-                                                              const float *pf, const float *pf_end,
-                                                              float *y, int64_t N, int64_t cols) {
+static inline __attribute__((always_inline)) void panel_chains(const float *p, int S, const float *x, int64_t K, int R,
+                                                                int64_t k0, int64_t k1, float *acc, int64_t ahead,
+                                                                const float *pf, const float *pf_end,
+                                                                float *y, int64_t N, int64_t cols) {
     vec a[RB][PV]; /* a[r S + s]: row r, panel s */
     for (int r = 0; r < R; r++)
         for (int s = 0; s < S; s++)
@@ -128,9 +129,9 @@ int weight_panel(void) { return PANEL; }
  * panel's first): the weights' read from memory overlaps the groups' arithmetic instead of
  * preceding it. */
 #define PANEL_ROWS(R)                                                                                  \
-    panel_rows(p, 1, x + m * K, K, R, k0, k1, acc + (m - m0) * PANEL, whole && m == m0 ? PREFETCH_AHEAD : 0, \
-               whole ? NULL : next + (m - m0) / RB * share, whole ? NULL : next + ((m - m0) / RB + 1) * share, \
-               y + m * N + n, N, cols)
+    panel_chains(p, 1, x + m * K, K, R, k0, k1, acc + (m - m0) * PANEL, whole && m == m0 ? PREFETCH_AHEAD : 0, \
+                 whole ? NULL : next + (m - m0) / RB * share, whole ? NULL : next + ((m - m0) / RB + 1) * share, \
+                 y + m * N + n, N, cols)
 static void panel_item(const float *p, const float *x, float *y, int64_t m0, int64_t m1, int64_t n, int64_t cols,
                        int64_t N, int64_t K) {
     float acc[ROW_BLOCK * PANEL] __attribute__((aligned(64)));
@@ -165,14 +166,14 @@ static void few_rows_item(const float *w, const float *x, float *y, int64_t M, i
             float *a = acc + (i - i0) * FEW_ROWS * PANEL, *yi = y + i * PANEL;
             const int64_t cols = N - i * PANEL;
             const int s = i1 - i < S ? (int)(i1 - i) : S; /* panels of this call */
-#define SIDE(S_, R) panel_rows(p, S_, x, K, R, k0, k1, a, 0, NULL, NULL, yi, N, cols)
+#define SIDE(S_, R) panel_chains(p, S_, x, K, R, k0, k1, a, 0, NULL, NULL, yi, N, cols)
             if (M == 1 && s >= 4) SIDE(4, 1);
             else if (M == 1 && s == 3) SIDE(3, 1);
             else if (M <= 2 && s >= 2) {
                 if (M == 1) SIDE(2, 1); else SIDE(2, 2);
             } else {
                 int64_t m = 0;
-#define GROUP(R) panel_rows(p, 1, x + m * K, K, R, k0, k1, a + m * PANEL, 0, NULL, NULL, yi + m * N, N, cols)
+#define GROUP(R) panel_chains(p, 1, x + m * K, K, R, k0, k1, a + m * PANEL, 0, NULL, NULL, yi + m * N, N, cols)
                 for (; m + RB <= M; m += RB) GROUP(RB);
                 if (M - m == 3) GROUP(3);
                 if (M - m == 2) GROUP(2);

@@ -2,6 +2,7 @@
  * routing, the chosen experts and their weighted sum in one call, from the layer modules
  * (cpu_kernels.moe) and from the whole decoder layer (decoder_layer_f32) alike. */
 #include "common.h"
+#include "specserve_kernels.h"
 
 /* The router: probs [E] = softmax(logits [E]) in place; the top_k largest (ties: the lower
  * expert id) go to ids [top_k] and their probabilities to w [top_k], in rank order,

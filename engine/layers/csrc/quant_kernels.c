@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "specserve_kernels.h"
+
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 }; /* GGMLQuantizationType */
 
 #define ROW_BLOCK 64 /* input rows whose codes stay in L2 while the weights stream past */
@@ -431,15 +433,7 @@ void panel_rows(int fmt, const uint8_t *w, int64_t K, const int64_t *ids, int64_
     }
 }
 
-/* A weight of ``quant_linear``'s parts behind one pointer: what ``quant_layer_matmul`` reads. */
-typedef struct {
-    int parts;
-    const int *fmts;
-    const uint8_t *const *ws;
-    const int64_t *ns;
-} quant_matrix;
-
-/* cpu_kernels.c's layer_matmul_fn for quantized weights: y [M, N] = x [M, K] @ W.T, W a
+/* layer.c's layer_matmul_fn for quantized weights: y [M, N] = x [M, K] @ W.T, W a
  * ``quant_matrix`` (the fused decoder layer calls it for each of its four matrices).
  * Returns quant_linear's code: 0, or negative (y unwritten). */
 int quant_layer_matmul(const void *w, const float *x, float *y, int64_t M, int64_t N, int64_t K, int num_threads) {

@@ -1,11 +1,13 @@
 /* The attention kernels of the CPU kernels, float32, x86-64 with AVX2 and FMA (AVX-512
- * paths where the CPU has it, -mavx512f).
+ * paths where the CPU has it, -mavx512f): a template, whose definitions each file that
+ * includes it compiles once for its KV cache's element type (no include guard).
  *
- * The cache holds kv_t: float (paged_attention_f32), or, where attention_bf16.c includes
- * this file with ATTENTION_KV_BF16 defined, bfloat16 (paged_attention_kv_bf16). Keys and values are
- * loaded as float32 (kv1, kv8, kv16: exact for bfloat16) and everything after the load is
- * the same arithmetic in the same order, so both twins keep the same batch invariance. */
+ * The cache holds kv_t: float (attention_f32.c: paged_attention_f32), or, with
+ * ATTENTION_KV_BF16 defined, bfloat16 (attention_bf16.c: paged_attention_kv_bf16). Keys and
+ * values are loaded as float32 (kv1, kv8, kv16: exact for bfloat16) and everything after the
+ * load is the same arithmetic in the same order, so both twins keep the same batch invariance. */
 #include "common.h"
+#include "specserve_kernels.h"
 
 #ifdef ATTENTION_KV_BF16
 typedef uint16_t kv_t;
