@@ -195,7 +195,7 @@ def tiny_llama(seed: int = 0, hidden_size: int = 32):
     weights scale with 1/sqrt(hidden_size / 32), so every size has logits of the same order."""
     from transformers import LlamaConfig
 
-    from engine.models.llama import LlamaForCausalLM
+    from engine.models.decoder import LlamaForCausalLM
 
     cfg = LlamaConfig(
         vocab_size=V, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=3,
@@ -217,7 +217,7 @@ def tiny_llama(seed: int = 0, hidden_size: int = 32):
 def llama_logits(model):
     """``context -> the model's raw next-token logits`` from one fresh prefill, memoized."""
     from engine.attention import SeqSpec, build_attention_metadata
-    from engine.models.llama import head_dim_of
+    from engine.models.decoder import head_dim_of
     from kvcache.tensors import KVSpec, PagedKV
 
     cfg = model.config
