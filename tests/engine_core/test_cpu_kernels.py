@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.layers import cpu_kernels
-from engine.layers.linear import ColumnParallelLinear
+from engine.layers.linear import CFloat32Linear, ColumnParallelLinear
 from engine.models.arch import MoESpec, llama_arch
 from tests.engine_core.conftest import AVX512_BUILD, other_vendor_build
 
@@ -94,7 +94,7 @@ def test_a_prepacked_layer_sends_every_row_count_through_the_kernel(monkeypatch)
     layer = ColumnParallelLinear(64, [96])
     layer.load(0, torch.randn(96, 64))
     layer.prepack()
-    assert layer.kernel is not None and layer.packed is None  # no oneDNN copy beside it
+    assert isinstance(layer.linear_kernel, CFloat32Linear)  # no oneDNN copy beside it
     calls = []
     monkeypatch.setattr(cpu_kernels, "matmul", lambda x, w: calls.append(len(x)) or x @ layer.weight.T)
     with torch.inference_mode():
