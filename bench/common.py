@@ -184,7 +184,7 @@ def tiny_model(device, dtype, seed=0):
     """A 2-layer Llama with random weights whose logits are far from ties (as tests/conftest)."""
     from transformers import LlamaConfig
 
-    from engine.models.llama import LlamaForCausalLM
+    from engine.models.decoder import LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

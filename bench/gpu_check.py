@@ -221,7 +221,7 @@ def llama8b(args, plot_path: Path) -> str:
 
 def _tree_ms(model, args, backend, context, repeats) -> dict:
     from bench.verify_cost import BLOCK, pass_ms
-    from engine.models.llama import head_dim_of
+    from engine.models.decoder import head_dim_of
     from kvcache.tensors import KVSpec, PagedKV
 
     cfg, block = model.config, backend.block_size(BLOCK)

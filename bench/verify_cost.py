@@ -23,7 +23,7 @@ from transformers import LlamaConfig
 from bench.common import markdown_table, write_report
 from engine.attention import AttentionBackend, SeqSpec
 from engine.attention.backends import TORCH
-from engine.models.llama import LlamaForCausalLM, head_dim_of
+from engine.models.decoder import LlamaForCausalLM, head_dim_of
 from kvcache.tensors import KVSpec, PagedKV
 
 LLAMA_8B = dict(

@@ -29,7 +29,7 @@ from engine import tree
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
 from engine.gpu_memory import DrafterMemory
-from engine.models.llama import head_dim_of
+from engine.models.decoder import head_dim_of
 from engine.request import Request
 from engine.sampler import build_sampling_batch, exponential_noise, mask_logits, penalized_logits, processed_probs
 from engine.spec_decode.drafter import Draft, Drafter, DraftSlot

@@ -34,7 +34,7 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.layers import cpu_kernels
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
-from engine.models.llama import head_dim_of
+from engine.models.decoder import head_dim_of
 
 KINDS = ("eagle", "eagle3")
 

@@ -27,7 +27,7 @@ from engine.faults import FaultHook
 from engine.gpu_memory import DrafterMemory, num_kv_blocks
 from engine.loader import SAMPLING_DEFAULTS, load_config, load_generation_config, load_tokenizer
 from engine.model_store import resolve_model
-from engine.models.llama import head_dim_of
+from engine.models.decoder import head_dim_of
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.runner import ModelRunner

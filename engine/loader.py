@@ -22,7 +22,7 @@ from engine import gguf_file
 from engine.gguf_file import CheckpointError
 from engine.layers import quant
 from engine.layers.linear import PackedLinear, VocabParallelEmbedding
-from engine.models.llama import LlamaForCausalLM
+from engine.models.decoder import LlamaForCausalLM
 from engine.models.registry import arch_of
 from engine.parallel import SINGLE, TPGroup
 

@@ -22,7 +22,7 @@ import torch
 
 from engine.attention import SeqSpec
 from engine.attention.backends import select_backend
-from engine.models.llama import head_dim_of
+from engine.models.decoder import head_dim_of
 from kvcache.tensors import KVSpec, PagedKV
 
 TOP = 32  # next-token probabilities kept per token

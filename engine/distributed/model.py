@@ -30,7 +30,7 @@ from engine.distributed.group import backend_for
 from engine.attention.backends import select_backend
 from engine.distributed.messages import AllocateKV, ComputeLogits, ForwardStep, ReleaseKV, WorkerInit
 from engine.loader import load_config, load_model
-from engine.models.llama import head_dim_of
+from engine.models.decoder import head_dim_of
 
 log = logging.getLogger(__name__)
 

@@ -11,16 +11,19 @@ one of them into place (``load_fused`` splits a checkpoint's own merged matrix,
 Phi-3's ``qkv_proj``). A bias (Qwen2's q, k and v) is split with its rows; a
 row-parallel layer's bias is added once, after the all-reduce.
 
-On the CPU in float32, ``prepack()`` (called once after loading) lays each weight out
-for ``cpu_kernels.matmul``, our C kernel, which then takes every input, one row or a
-prefill chunk: each output is one chain of FMAs over the input features in order, so a
-token's result is the same bits whatever else is in the step (docs/cpu.md). Without the
-kernels (no compiler, not x86 with AVX2, ``SPECSERVE_CPU_KERNELS=0``) it reorders the
-weight into oneDNN's blocked layout with a batch-size hint of 16, whose skinny GEMM
-streams the weights faster than ``F.linear``; whether 1-3 rows run faster there padded
-to 4 depends on the CPU, so ``calibrate_min_rows`` times the model's own matmuls at
-start-up and picks. oneDNN's result for a row may change in the last bits with the row
-count: that path promises agreement within a tolerance, not bits.
+Each layer multiplies through one ``LinearKernel``, chosen by ``prepack()`` (called once
+after loading) from the weight's form: ``GGUFBlocksLinear`` (``quant.linear``),
+``CFloat32Linear``, ``OneDNNLinear`` or ``TorchLinear`` (``F.linear``). On the CPU in
+float32 that is ``cpu_kernels.matmul``, our C kernel, on the weight laid out once for
+it, which then takes every input, one row or a prefill chunk: each output is one chain
+of FMAs over the input features in order, so a token's result is the same bits
+whatever else is in the step (docs/cpu.md). Without the kernels (no compiler, not x86
+with AVX2, ``SPECSERVE_CPU_KERNELS=0``) the weight is reordered into oneDNN's blocked
+layout with a batch-size hint of 16, whose skinny GEMM streams the weights faster than
+``F.linear``; whether 1-3 rows run faster there padded to 4 depends on the CPU, so
+``calibrate_min_rows`` times the model's own matmuls at start-up and picks. oneDNN's
+result for a row may change in the last bits with the row count: that path promises
+agreement within a tolerance, not bits.
 """
 
 import time
@@ -46,21 +49,87 @@ def can_prepack(weight: torch.Tensor) -> bool:
     )
 
 
+class LinearKernel:
+    """How a linear layer multiplies: ``kernel(x, weight)``, x [T, in] -> [T, out], ``weight``
+    the layer's float weight [out, in] (meta under GGUF blocks). One is chosen per layer at
+    load (``PackedLinear.prepack``), so a call never asks which form the weight is in."""
+
+    kernel: cpu_kernels.KernelWeight | None = None  # the weight in cpu_kernels.matmul's panels
+    qweight: quant.LinearArgs | None = None  # the weight's GGUF blocks, in quant.linear's panels
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchLinear(LinearKernel):
+    """``F.linear`` on the weight as it is: a GPU, another dtype, no kernels nor oneDNN, or not yet prepacked."""
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)
+
+
+class CFloat32Linear(LinearKernel):
+    """Our C matmul on the weight laid out once in its panels (``cpu_kernels.matmul``); an input
+    it cannot take (in autograd) goes through ``F.linear``."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.kernel = cpu_kernels.kernel_weight(weight)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.usable(x):
+            return cpu_kernels.matmul(x, self.kernel)
+        return F.linear(x, weight)
+
+
+class OneDNNLinear(LinearKernel):
+    """oneDNN's skinny GEMM on the weight reordered once into its blocked layout; inputs of fewer
+    than ``min_rows`` rows padded to that many (set by ``calibrate_min_rows``)."""
+
+    min_rows: int = 1
+
+    def __init__(self, weight: torch.Tensor):
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows < self.min_rows:
+            x = torch.cat([x, x.new_zeros(self.min_rows - rows, x.shape[1])])
+        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return y[:rows] if rows < self.min_rows else y
+
+
+class GGUFBlocksLinear(LinearKernel):
+    """The weight kept in GGUF blocks, multiplied by ``quant.linear``."""
+
+    def __init__(self, qweight: quant.LinearArgs):
+        self.qweight = qweight
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return quant.linear(x, self.qweight)
+
+
 class PackedLinear(nn.Module):
-    """A ``weight`` [out, in] applied as ``x @ weight.T``, through a prepacked copy when there is one,
-    or kept in GGUF blocks (``qweight``; ``weight`` then stays a meta tensor: shape only)."""
+    """A ``weight`` [out, in] applied as ``x @ weight.T`` by its ``LinearKernel``, chosen by
+    ``prepack``; in GGUF blocks ``weight`` stays a meta tensor (shape only)."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None  # [out] (this rank's rows of a column-parallel layer), or None
-    kernel: cpu_kernels.KernelWeight | None = None  # the weight in cpu_kernels.matmul's panels
-    packed: torch.Tensor | None = None  # ... or, without the kernels, in oneDNN's layout
-    qweight: quant.LinearArgs | None = None  # ... or in GGUF blocks, for quant.linear
-    min_rows: int = 1  # oneDNN: pad inputs of fewer rows to this many (set by calibrate_min_rows)
+    linear_kernel: LinearKernel = TorchLinear()  # how matmul multiplies (set by prepack)
 
     def __init__(self):
         super().__init__()
         self.bias = None  # a subclass may make it a parameter
         self.quant_rows = quant.QuantRows()  # rows loaded in GGUF blocks (load_rows)
+
+    @property
+    def kernel(self) -> cpu_kernels.KernelWeight | None:
+        """The weight in ``cpu_kernels.matmul``'s panels, where the layer multiplies so."""
+        return self.linear_kernel.kernel
+
+    @property
+    def qweight(self) -> quant.LinearArgs | None:
+        """The weight in GGUF blocks laid out for ``quant.linear``, where the layer multiplies so."""
+        return self.linear_kernel.qweight
 
     def load_rows(self, first: int, rows) -> None:
         """Rows ``first ..`` of the weight from ``rows``: a float tensor (or lazy slice), or a
@@ -68,21 +137,20 @@ class PackedLinear(nn.Module):
         self.weight = quant.load_rows(self.weight, self.quant_rows, first, rows)
 
     def prepack(self, quantize: str | None = None) -> None:
-        """Lay the weight out once for the C kernel, or without it for oneDNN (CPU, float32), or
-        keep it in GGUF blocks where it was loaded so (``quantize``: a GGUF type to quantize a
-        float weight to first); call after the weights are loaded."""
+        """Choose the layer's ``LinearKernel``, laying the weight out for it once: GGUF blocks where
+        it was loaded so (``quantize``: a GGUF type to quantize a float weight to first), else on
+        the CPU in float32 the C kernel, or without it oneDNN, else torch. Call after loading."""
         if quantize and self.weight.shape[1] % 32 == 0 and not self.weight.is_meta:
             self.quant_rows.add(0, quant.quantize(self.weight.data, quantize))
             self.weight = quant.meta_like(self.weight)
         if self.weight.is_meta:
-            self.qweight = self.quant_rows.pack(self.weight.shape[0])
-            return
-        if not can_prepack(self.weight):
-            return
-        if cpu_kernels.load() is not None:
-            self.kernel = cpu_kernels.kernel_weight(self.weight.data)
+            self.linear_kernel = GGUFBlocksLinear(self.quant_rows.pack(self.weight.shape[0]))
+        elif not can_prepack(self.weight):
+            self.linear_kernel = TorchLinear()
+        elif cpu_kernels.load() is not None:
+            self.linear_kernel = CFloat32Linear(self.weight.data)
         else:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, PACK_BATCH_HINT)
+            self.linear_kernel = OneDNNLinear(self.weight.data)
 
     def biased(self, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] plus the bias, where the layer has one (added after the product, whatever
@@ -91,37 +159,27 @@ class PackedLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
-        if self.qweight is not None:
-            return quant.linear(x, self.qweight)
-        if self.kernel is not None and cpu_kernels.usable(x):
-            return cpu_kernels.matmul(x, self.kernel)
-        rows = x.shape[0]
-        if self.packed is not None:
-            if rows < self.min_rows:
-                x = torch.cat([x, x.new_zeros(self.min_rows - rows, x.shape[1])])
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-            return y[:rows] if rows < self.min_rows else y
-        return F.linear(x, self.weight)
+        return self.linear_kernel(x, self.weight)
 
 
 @torch.inference_mode()
 def calibrate_min_rows(layers: list[PackedLinear], repeats: int = 5) -> int:
     """Times one row through every oneDNN-packed layer, padded to each of ``PAD_CANDIDATES``
-    rows (interleaved, best of ``repeats``), and sets the fastest as every layer's
-    ``min_rows``. Returns it (1 when nothing is packed: the C kernel needs no padding)."""
-    layers = [m for m in layers if m.packed is not None]
-    if not layers:
+    rows (interleaved, best of ``repeats``), and sets the fastest as every such layer's
+    ``OneDNNLinear.min_rows``. Returns it (1 when nothing is packed: the C kernel needs no padding)."""
+    packed = [(m.linear_kernel, m.weight.shape[1]) for m in layers if isinstance(m.linear_kernel, OneDNNLinear)]
+    if not packed:
         return 1
-    inputs = {(c, m.weight.shape[1]): torch.randn(c, m.weight.shape[1]) for c in PAD_CANDIDATES for m in layers}
+    inputs = {(c, k): torch.randn(c, k) for c in PAD_CANDIDATES for _, k in packed}
     best = dict.fromkeys(PAD_CANDIDATES, float("inf"))
     for _ in range(repeats):
         for c in PAD_CANDIDATES:
             t = time.perf_counter()
-            for m in layers:
-                torch.ops.mkldnn._linear_pointwise(inputs[c, m.weight.shape[1]], m.packed, None, "none", [], "")
+            for m, k in packed:
+                torch.ops.mkldnn._linear_pointwise(inputs[c, k], m.packed, None, "none", [], "")
             best[c] = min(best[c], time.perf_counter() - t)
     chosen = min(PAD_CANDIDATES, key=best.get)
-    for m in layers:
+    for m, _ in packed:
         m.min_rows = chosen
     return chosen
 

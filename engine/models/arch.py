@@ -1,4 +1,4 @@
-"""What a model family changes in the shared decoder (``engine.models.llama``), as plain data.
+"""What a model family changes in the shared decoder (``engine.models.decoder``), as plain data.
 
 Each family's file turns a checkpoint's Hugging Face config into an ``Arch``; the
 decoder reads nothing else of the family. Per-layer fields (``windows``,

@@ -1,7 +1,7 @@
 """Which model class and ``Arch`` serve a checkpoint, chosen by its config's
 ``architectures`` (else its ``model_type``).
 
-Every family runs on the shared decoder (``engine.models.llama``); a family is
+Every family runs on the shared decoder (``engine.models.decoder``); a family is
 the function that reads what it changes from its config. Families that differ
 from Llama only in a flag or two are written here; Gemma (``gemma``) and the
 mixtures of experts (``moe``) have their own files. A checkpoint no family

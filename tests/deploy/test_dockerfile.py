@@ -91,7 +91,7 @@ def dockerignored(path: str) -> bool:
         ("pyproject.toml", False),
         ("README.md", False),
         ("api/protocol.py", False),
-        ("engine/models/llama.py", False),
+        ("engine/models/decoder.py", False),
         (".venv/bin/python", True),
         (".git/HEAD", True),
         ("engine/__pycache__/x.cpython-311.pyc", True),

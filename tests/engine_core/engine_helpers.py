@@ -10,7 +10,7 @@ import torch
 from scipy.stats import chisquare
 
 from engine.attention import SeqSpec, build_attention_metadata
-from engine.models.llama import head_dim_of
+from engine.models.decoder import head_dim_of
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams

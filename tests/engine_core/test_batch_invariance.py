@@ -16,7 +16,7 @@ import transformers
 
 from engine.layers import cpu_kernels
 from engine.models.arch import MoESpec, llama_arch
-from engine.models.llama import LlamaForCausalLM
+from engine.models.decoder import LlamaForCausalLM
 from engine.models.registry import arch_of
 from engine.sampling_params import SamplingParams
 from tests.engine_core.conftest import AVX512_BUILD, other_vendor_build

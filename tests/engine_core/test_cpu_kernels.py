@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.layers import cpu_kernels
-from engine.layers.linear import ColumnParallelLinear
+from engine.layers.linear import CFloat32Linear, ColumnParallelLinear
 from engine.models.arch import MoESpec, llama_arch
 from tests.engine_core.conftest import AVX512_BUILD, other_vendor_build
 
@@ -94,7 +94,7 @@ def test_a_prepacked_layer_sends_every_row_count_through_the_kernel(monkeypatch)
     layer = ColumnParallelLinear(64, [96])
     layer.load(0, torch.randn(96, 64))
     layer.prepack()
-    assert layer.kernel is not None and layer.packed is None  # no oneDNN copy beside it
+    assert isinstance(layer.linear_kernel, CFloat32Linear)  # no oneDNN copy beside it
     calls = []
     monkeypatch.setattr(cpu_kernels, "matmul", lambda x, w: calls.append(len(x)) or x @ layer.weight.T)
     with torch.inference_mode():
@@ -248,8 +248,8 @@ def test_fused_layers_give_the_bits_of_the_layer_modules(tiny_model, kernel_buil
     model = tiny_model(hidden_size=heads[0] * head_dim, num_attention_heads=heads[0], num_key_value_heads=heads[1],
                        intermediate_size=200, arch=FUSED_FAMILIES[family])
     model.prepack()
-    fused = [layer.fused_args() for layer in model.layers]
-    assert all(fused)
+    fused = model.fused  # every layer's one C call
+    assert fused is not None
     kv = scratch_cache(model, 16, 4, kv_dtype)
     g = torch.Generator().manual_seed(3)
     contexts = [9, 14, 5]
@@ -270,8 +270,7 @@ def test_fused_layers_give_the_bits_of_the_layer_modules(tiny_model, kernel_buil
                     dst.copy_(src)
             meta = build_attention_metadata(specs, 4, listed=True)
             ropes = {kind: rope(pos, torch.float32) for kind, rope in model.rotaries.items()}
-            assert (model._fused_steps(torch.empty(7, model.config.hidden_size), ropes, meta) is not None) == (
-                layers is not None)
+            assert layers is None or layers.step(torch.empty(7, model.config.hidden_size), ropes, meta) is not None
             out[name] = (model.compute_logits(model(ids, pos, meta, cache)), cache)
     assert torch.equal(out["modules"][0], out["fused"][0])
     for i in range(len(model.layers)):

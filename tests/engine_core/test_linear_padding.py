@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.layers import cpu_kernels
-from engine.layers.linear import PAD_CANDIDATES, ColumnParallelLinear, calibrate_min_rows, can_prepack
+from engine.layers.linear import PAD_CANDIDATES, ColumnParallelLinear, OneDNNLinear, calibrate_min_rows, can_prepack
 
 
 @pytest.fixture(autouse=True)
@@ -18,7 +18,7 @@ def _packed_layer(seed: int) -> ColumnParallelLinear:
     layer = ColumnParallelLinear(64, [96])
     layer.load(0, torch.randn(96, 64, generator=g))
     layer.prepack()
-    assert layer.packed is not None and layer.kernel is None
+    assert isinstance(layer.linear_kernel, OneDNNLinear)
     return layer
 
 
@@ -29,7 +29,7 @@ def test_padding_does_not_change_the_rows(rows):
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(1))
     outs = []
     for pad in PAD_CANDIDATES:
-        layer.min_rows = pad
+        layer.linear_kernel.min_rows = pad
         outs.append(layer(x))
     reference = x @ layer.weight.T
     for out in outs:
@@ -42,7 +42,7 @@ def test_calibration_sets_one_candidate_on_every_layer():
     layers = [_packed_layer(s) for s in range(3)]
     chosen = calibrate_min_rows(layers, repeats=2)
     assert chosen in PAD_CANDIDATES
-    assert {m.min_rows for m in layers} == {chosen}
+    assert {m.linear_kernel.min_rows for m in layers} == {chosen}
 
 
 def test_calibration_without_packed_layers_pads_nothing():

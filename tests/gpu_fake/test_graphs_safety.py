@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.cuda_graphs import BucketedForward
-from engine.models.llama import LlamaForCausalLM
+from engine.models.decoder import LlamaForCausalLM
 from kvcache.tensors import KVSpec, PagedKV
 from tests.gpu_fake.engines import cuda_model
 from tests.gpu_fake.fake_cuda import fake_cuda

@@ -124,7 +124,7 @@ def test_eagle_memory_is_what_the_loaded_head_holds(tmp_path, kind):
 
     from transformers import LlamaConfig
 
-    from engine.models.llama import LlamaForCausalLM
+    from engine.models.decoder import LlamaForCausalLM
     from tests.gpu_fake.engines import TINY
 
     target = LlamaForCausalLM(LlamaConfig(**TINY)).eval()

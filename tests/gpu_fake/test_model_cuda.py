@@ -8,7 +8,7 @@ from engine.attention import SeqSpec
 from engine.attention.backends import BACKENDS
 from engine.layers.rotary import RotaryEmbedding
 from engine.loader import load_model
-from engine.models.llama import LlamaForCausalLM, head_dim_of
+from engine.models.decoder import LlamaForCausalLM, head_dim_of
 from kvcache.tensors import KVSpec, PagedKV
 from tests.gpu_fake.fake_cuda import fake_cuda, value
 from tests.gpu_fake.flash_attn_sdist import real_flash_attn

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from engine.models.llama import LlamaForCausalLM
+from engine.models.decoder import LlamaForCausalLM
 from engine.models.registry import arch_of
 from engine.spec_decode import rejection_sampler
 from tests.spec.distribution import V, exact_joint, make_engine, p_value, sample_joint

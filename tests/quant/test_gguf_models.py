@@ -129,8 +129,8 @@ def test_fused_quantized_layers_give_the_bits_of_the_layer_modules(tiny_model):
 
     model = tiny_model(intermediate_size=128)
     model.prepack(quant.QUANTIZE_TO["int4"])
-    fused = [layer.fused_args() for layer in model.layers]
-    assert all(fused) and model.fused is not None
+    fused = model.fused  # every layer's one C call, its matmuls on GGUF blocks
+    assert fused is not None
     kv = scratch_cache(model, 16, 4)
     g = torch.Generator().manual_seed(3)
     with torch.inference_mode():

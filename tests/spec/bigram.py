@@ -27,7 +27,7 @@ def perturbed(table: torch.Tensor, seed: int, noise: float = 0.6) -> torch.Tenso
 
 
 class BigramLM(nn.Module):
-    """Same interface as engine.models.llama.LlamaForCausalLM; ignores the KV cache."""
+    """Same interface as engine.models.decoder.LlamaForCausalLM; ignores the KV cache."""
 
     def __init__(self, table: torch.Tensor):
         super().__init__()

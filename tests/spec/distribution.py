@@ -195,7 +195,7 @@ def tiny_llama(seed: int = 0, hidden_size: int = 32):
     weights scale with 1/sqrt(hidden_size / 32), so every size has logits of the same order."""
     from transformers import LlamaConfig
 
-    from engine.models.llama import LlamaForCausalLM
+    from engine.models.decoder import LlamaForCausalLM
 
     cfg = LlamaConfig(
         vocab_size=V, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=3,
@@ -222,7 +222,7 @@ def llama_logits(model):
     layers a last bit can move an activation's 8-bit code and the logits far more."""
     from engine.attention import SeqSpec
     from engine.attention.backends import select_backend
-    from engine.models.llama import head_dim_of
+    from engine.models.decoder import head_dim_of
     from kvcache.tensors import KVSpec, PagedKV
 
     cfg = model.config

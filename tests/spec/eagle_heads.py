@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 from drafters.eagle_head import EagleHead, save_eagle_head
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
-from engine.models.llama import LlamaForCausalLM
+from engine.models.decoder import LlamaForCausalLM
 from tests.engine_core.engine_helpers import greedy
 
 

@@ -14,7 +14,7 @@ from engine import tree
 from engine.attention import SeqSpec, build_attention_metadata
 from engine.attention.backends import CPU, TORCH
 from engine.layers import cpu_kernels
-from engine.models.llama import head_dim_of
+from engine.models.decoder import head_dim_of
 from kvcache.tensors import KVSpec, PagedKV
 from tests.engine_core.engine_helpers import greedy
 from tests.spec.eagle_heads import PROMPTS, eagle_engine, run, small_target, write_random_head

@@ -12,7 +12,7 @@ import torch
 
 from engine.layers import quant
 from training.eagle_train import TrainConfig, _load_state, _restore, _save, new_head, train, training_step, ttt_loss
-from engine.models.llama import head_dim_of
+from engine.models.decoder import head_dim_of
 from kvcache.tensors import KVSpec, PagedKV
 from tests.spec.eagle_heads import PROMPTS, eagle_engine, run, small_target
 

@@ -6,7 +6,7 @@ import torch
 from engine.attention import SeqSpec, build_attention_metadata
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
-from engine.models.llama import head_dim_of
+from engine.models.decoder import head_dim_of
 from kvcache.tensors import KVSpec, PagedKV
 from tests.conftest import check_no_lost_blocks
 from tests.engine_core.engine_helpers import greedy
@@ -79,7 +79,7 @@ def test_verification_overwrites_every_entry_the_drafter_wrote(tiny_model):
 
 
 def test_the_draft_cost_counts_the_head():
-    from engine.models.llama import LlamaForCausalLM
+    from engine.models.decoder import LlamaForCausalLM
     from transformers import LlamaConfig
 
     from drafters.early_exit import _cost_per_token

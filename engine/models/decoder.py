@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.layers import cpu_kernels, quant
+from engine.layers.cpu_decoder import FusedLayers
 from engine.layers.linear import (
     ColumnParallelLinear,
     PackedLinear,
@@ -117,34 +117,6 @@ class LlamaDecoderLayer(nn.Module):
         hidden = hidden + self.post_attention_layernorm(attn)
         return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
 
-    def fused_args(self) -> tuple | None:
-        """This layer's ``cpu_kernels.layer_args`` (the whole layer in one C call), or None
-        where it cannot run that way: no kernels, not float32 on the CPU, not Llama's layer
-        shape (``Arch.fusable``), tensor parallel (its all-reduces sit between the kernels),
-        matrices some in GGUF blocks and some not, or experts not in one C call
-        (``SparseMoE.prepack``). Call after ``prepack``."""
-        attn, mlp = self.self_attn, self.mlp
-        w = attn.qkv_proj.weight
-        norms = (self.input_layernorm, self.post_attention_layernorm)
-        moe = mlp.kernel if isinstance(mlp, SparseMoE) else None  # the experts' one-call arguments
-        if (w.dtype != torch.float32 or norms[0].weight.device.type != "cpu"  # first: a GPU never builds kernels
-                or not (isinstance(mlp, LlamaMLP) or moe is not None) or attn.o_proj.tp.size > 1
-                or norms[0].eps != norms[1].eps or cpu_kernels.load() is None):
-            return None
-        linears = (attn.qkv_proj, attn.o_proj) + ((mlp.gate_up_proj, mlp.down_proj) if moe is None else ())
-        matrices, matmul = tuple(m.kernel for m in linears), None
-        if moe is None and all(m.qweight is not None for m in linears):  # GGUF blocks: quant.linear's matmul
-            matrices, matmul = tuple(m.qweight.handle for m in linears), quant.layer_matmul()
-        if any(m is None for m in matrices):  # not laid out for the kernel (not float32 on the CPU)
-            return None
-        bias = attn.qkv_proj.bias
-        qk_norms = (attn.q_norm.weight.data, attn.k_norm.weight.data) if attn.qk_norm == "head" else None
-        inter = 0 if moe is not None else mlp.down_proj.weight.shape[1]
-        return cpu_kernels.layer_args(w.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim, inter,
-                                      norms[0].eps, (norms[0].weight.data, norms[1].weight.data),
-                                      matrices + (None,) * (4 - len(matrices)), None if bias is None else bias.data,
-                                      qk_norms, matmul=matmul, moe=moe)
-
 
 class LlamaForCausalLM(nn.Module):
     """``forward`` gives final hidden states; ``compute_logits`` the vocab logits.
@@ -159,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.arch = arch = arch or llama_arch(config)
         self.min_rows = 1  # oneDNN matmul inputs of fewer rows are padded (set by prepack)
-        self.fused: list[tuple] | None = None  # per layer, cpu_kernels.layer_args (set by prepack)
+        self.fused: FusedLayers | None = None  # the layers as one C call each, where they run so (set by prepack)
         max_positions = max_positions or config.max_position_embeddings
         self.rotaries = nn.ModuleDict({
             kind: RotaryEmbedding(config, arch.head_dim, max_positions, kind) for kind in dict.fromkeys(arch.rope_kinds)
@@ -187,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         if self.arch.embed_scale is not None:
             hidden = hidden * torch.tensor(self.arch.embed_scale, dtype=hidden.dtype, device=hidden.device)
         ropes = {kind: rotary(positions, hidden.dtype) for kind, rotary in self.rotaries.items()}
-        fused = self._fused_steps(hidden, ropes, meta)  # (tensors kept alive through the loop, per-layer steps)
+        fused = None if self.fused is None else self.fused.step(hidden, ropes, meta)  # each layer one C call
         taken = {}
         for i, layer in enumerate(self.layers):  # not self.layers[:num_layers]: slicing builds a new ModuleList each step
             if i == num_layers:
@@ -195,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
             if i in capture:
                 taken[i] = hidden.clone() if fused else hidden  # a fused layer writes in place
             if fused:
-                cpu_kernels.decoder_layer(hidden, self.fused[i], *kv_cache.layer(i), fused[1][i])
+                fused.layer(i, hidden, kv_cache)
             else:
                 hidden = layer(ropes, hidden, meta, kv_cache)
         hidden = self.norm(hidden)
@@ -208,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
         """Weights are final: let the linear layers lay them out for the C matmul (or, without
         it, for oneDNN, timing whether short inputs run faster padded: ``calibrate_min_rows``;
         or ``quantize`` them: GGUF types of the layers and of the head), and take the layers'
-        addresses for whole-layer kernel calls (``fused``)."""
+        addresses for whole-layer kernel calls (``fused``: ``engine.layers.cpu_decoder``)."""
         if self.arch.tie_word_embeddings:
             self.embed_tokens.tie(self.lm_head)
         linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
@@ -219,28 +191,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, SparseMoE):
                 module.prepack()
         self.min_rows = calibrate_min_rows(linears)
-        fused = [layer.fused_args() for layer in self.layers] if self.arch.fusable else []
-        self.fused = fused if fused and all(fused) else None
-
-    def _fused_steps(self, hidden, ropes: dict, meta) -> tuple[list, list[tuple]] | None:
-        """Each layer's ``cpu_kernels.step_args`` (its rope and window's) when this step runs
-        every layer in one C call each, with the tensors they point into: every token
-        attended through listed KV slots, float32 on the CPU outside autograd. Those calls
-        make the same kernel calls as the layer modules, so the results are the same."""
-        t = hidden.shape[0]
-        if (self.fused is None or not isinstance(meta, AttentionMetadata) or not meta.lists_all(t)
-                or not cpu_kernels.usable(hidden)):
-            return None
-        attn = self.layers[0].self_attn
-        inter = max(args.inter for args in self.fused)  # the widest dense MLP's (a MoE layer's is 0)
-        size = cpu_kernels.scratch_size(t, hidden.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim, inter)
-        kept, steps = [torch.empty(size)], {}
-        for kind, window in dict.fromkeys(zip(self.arch.rope_kinds, self.arch.windows)):
-            cos, sin = (r.contiguous() for r in ropes[kind])
-            listed = meta.for_window(window).listed_args()
-            kept += [cos, sin, *listed]
-            steps[kind, window] = cpu_kernels.step_args(cos, sin, *listed, kept[0])
-        return kept, [steps[kw] for kw in zip(self.arch.rope_kinds, self.arch.windows)]
+        self.fused = FusedLayers.pack(self.layers, self.arch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, vocab] in float32 (soft-capped where the family caps them)."""
