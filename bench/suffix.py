@@ -119,7 +119,7 @@ def compare(engines: dict, sets: dict, concurrency: int, max_tokens: int) -> tup
 
 def drafter_cost(engine, sessions: list[list[str]], max_tokens: int) -> dict:
     """The drafter's seconds per step (its calls timed) against the step's, at len(sessions) at once."""
-    d = engine.drafter
+    d = engine.speculator.drafter
     spent = [0.0]
 
     def timed(f):

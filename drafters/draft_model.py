@@ -31,7 +31,7 @@ from engine.attention.backends import TORCH, AttentionBackend
 from engine.gpu_memory import DrafterMemory
 from engine.models.decoder import head_dim_of
 from engine.request import Request
-from engine.sampler import build_sampling_batch, exponential_noise, mask_logits, penalized_logits, processed_probs
+from engine.sampler import build_sampling_batch, mask_logits, penalized_logits, processed_probs, sample_with_probs
 from engine.spec_decode.drafter import Draft, Drafter, DraftSlot
 from engine.transfer import to_device
 from kvcache import KVCacheManager
@@ -68,14 +68,8 @@ class SamplingDrafter(Drafter):
             [self._generator(r) for r in requests],
             [tuple(drafts[r.request_id]) for r in requests],
         )
-        logits = mask_logits(logits, requests, [drafts[r.request_id] for r in requests])
-        tokens = penalized_logits(logits, batch).argmax(-1)
-        if batch.all_greedy:
-            return [None] * len(requests), tokens.tolist()
-        q = processed_probs(logits, batch)
-        sampled = (q / exponential_noise(q.shape, batch.generators, self.device)).argmax(-1)
-        tokens = torch.where(batch.greedy, tokens, sampled)
-        return [None if r.params.greedy else q[i] for i, r in enumerate(requests)], tokens.tolist()
+        tokens, q = sample_with_probs(mask_logits(logits, requests, [drafts[r.request_id] for r in requests]), batch)
+        return [None if q is None or r.params.greedy else q[i] for i, r in enumerate(requests)], tokens.tolist()
 
     def _distributions(self, logits: torch.Tensor, requests: list[Request], prefixes: list[tuple[int, ...]]):
         """(q, penalized logits) [n, vocab] of each row, after the drafts ``prefixes[i]``."""

@@ -41,6 +41,7 @@ from engine import tree
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
 from engine.gpu_memory import DrafterMemory
+from engine.sampler import plain_greedy
 from engine.transfer import to_device
 from kvcache import KVCacheManager
 from kvcache.tensors import KVSpec, PagedKV
@@ -148,7 +149,7 @@ class EagleDrafter(SamplingDrafter):
             if step == 0:
                 self._ingested(live, feeds)
             requests = [s.request for s in live]
-            if all(r.params.argmax_of_raw_logits and r.grammar is None for r in requests):
+            if all(plain_greedy(r.params) for r in requests):
                 q, tokens = [None] * len(live), self.head.draft_argmax(out).tolist()  # what _sample would give
             else:
                 q, tokens = self._sample(self.head.draft_logits(out), requests, drafts)

@@ -108,12 +108,12 @@ def grow_trees(slots: list[DraftSlot], forward, distributions, generator, device
     after each node of that level (the root at depth 0); ``distributions(logits,
     requests, prefixes)`` -> (q, penalized logits), both [rows, vocab];
     ``generator(request)``: its torch.Generator or None."""
-    from engine.sampler import exponential_noise
+    from engine.sampler import exponential_noise, plain_greedy
 
     grows = [GrowingTree(s, template_of(s)) for s in slots]
     # The fast path is the round's, not a depth's: a depth where only plain greedy trees
     # are left must still draw as the rest of the round did.
-    fast = all(g.slot.request.params.argmax_of_raw_logits for g in grows)
+    fast = all(plain_greedy(g.slot.request.params) for g in grows)
     for depth in range(max(int(tree.depths(g.template).max()) for g in grows) + 1):
         live = [g for g in grows if any(g.num_children(n) for n in g.level(depth))]
         if not live:

@@ -85,6 +85,11 @@ class AsyncEngine:
     def tokenize(self, text: str) -> list[int]:
         return self.engine.tokenize(text)
 
+    def speculation(self) -> tuple[bool, int]:
+        """Whether the engine speculates (a drafter is configured), and the configured most
+        drafts per step: fixed at construction."""
+        return self.engine.speculator.drafter is not None, self.engine.config.speculative.num_speculative_tokens
+
     def device_info(self) -> dict[str, str]:
         """Where the engine runs, for ``/health``: its device, why that one, its attention backend."""
         choice = self.engine.device_choice

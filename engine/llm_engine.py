@@ -13,7 +13,6 @@ drafter's, the policy's record.
 """
 
 import logging
-import time
 
 import torch
 
@@ -34,13 +33,10 @@ from engine.runner import ModelRunner
 from engine.sampler import grammar_bitmask
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
-from engine.spec_decode.cost_tracker import CostTracker, measure_step_costs
-from engine.spec_decode.drafter import Draft, DraftSlot
-from engine.spec_decode.fixed_policy import FixedPolicy
-from engine.spec_decode.policy import Candidate, SpecPolicy, SpecState, StepCosts, StepPlan
-from engine.spec_decode.registry import build_drafter, check_speculative, drafter_memory
-from engine.stats import EngineSnapshot, StepTimes, make_step_stats
-from engine.tree import is_chain, walk
+from engine.spec_decode.policy import StepPlan
+from engine.spec_decode.registry import check_speculative, drafter_memory
+from engine.spec_decode.speculator import build_speculator
+from engine.stats import EngineSnapshot, StepClock, make_step_stats
 from engine.stop import holdback
 from kvcache import KVCacheManager, blocks_needed
 from kvcache.tensors import KVSpec, PagedKV
@@ -61,16 +57,7 @@ class LLMEngine:
         device, dtype = self.device_choice.device, config.model.torch_dtype()
         if device.type == "cpu":
             torch.set_num_threads(config.threads_per_rank())
-        if model is None:
-            path = resolve_model(config.model.model, config.model.quantization)
-            hf_config = load_config(path)
-            max_len = config.model.max_model_len or hf_config.max_position_embeddings
-            model = load_target(path, config, dtype, device, max_len)  # rank 0's shard at tensor_parallel_size > 1
-            tokenizer = tokenizer or load_tokenizer(path)
-            self.model_path = str(path)
-            generation = load_generation_config(path)
-        else:
-            self.model_path, generation = "<in-memory>", {}
+        model, tokenizer, generation = self._load(config, model, tokenizer, dtype, device)
         # Requests' default sampling, from the checkpoint's generation config (vLLM does the same).
         self.sampling_defaults = {k: generation[k] for k in SAMPLING_DEFAULTS if generation.get(k) is not None}
         self.model, self.tokenizer = model, tokenizer
@@ -100,9 +87,10 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, spec.block_size, config.cache.enable_prefix_caching)
         self.paged_kv = PagedKV(spec, num_blocks, device, pad_block=graphs)
         self.runner = ModelRunner(model, self.paged_kv, spec.block_size, device, config.model.seed, attention)
-        self.cost_tracker: CostTracker | None = None  # set by _speculation when costs are timed
-        self.drafter, self.policy = self._speculation(config, num_blocks, spec, device, dtype, drafter)
-        self.runner.feature_layers = self.drafter.feature_layers if self.drafter else ()
+        self.speculator = build_speculator(config, self.runner, drafter, tokenizer=tokenizer, num_blocks=num_blocks,
+                                           dtype=dtype, kv_dtype=kv_dtype, target_path=self.model_path,
+                                           max_model_len=self.max_model_len)
+        self.runner.feature_layers = self.speculator.feature_layers
         if graphs and not self.runner.feature_layers:  # a drafter reading features runs every step eagerly
             self.runner.bucketed = BucketedForward(model, attention.name, self.paged_kv, self.max_model_len, device,
                                                    *bucket_limits(config), graphs=True)
@@ -110,15 +98,21 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.eos_token_ids = eos_token_ids_of(hf_config, tokenizer, generation)
         self.stat_loggers: list = []  # callables taking each step's StepStats
-        self.fault_hook: FaultHook | None = None
-        self.step_fallbacks = 0  # 1 when the drafter failed in the current step
         self._grammars = None  # engine.grammar.Grammars, built at the first structured request
-        c_matmul = getattr(getattr(model, "lm_head", None), "kernel", None) is not None  # laid out by prepack
-        log.info("engine ready: %d KV blocks of %d tokens on %s (%s, KV cache %s, attention %s); matmul %s%s",
-                 num_blocks, spec.block_size, device, dtype, kv_dtype, attention.name,
-                 "by the C kernel (batch invariant)" if c_matmul
-                 else f"by torch, inputs padded to {getattr(model, 'min_rows', 1)} rows",
-                 ", each decoder layer in one C call" if getattr(model, "fused", None) else "")
+        _log_ready(model, num_blocks, spec, device, dtype, attention.name)
+
+    def _load(self, config: EngineConfig, model, tokenizer, dtype, device) -> tuple:
+        """(model, tokenizer, generation config): the target (rank 0's shard at
+        tensor_parallel_size > 1) loaded from ``config``, or the ready-made one as given."""
+        if model is not None:
+            self.model_path = "<in-memory>"
+            return model, tokenizer, {}
+        path = resolve_model(config.model.model, config.model.quantization)
+        max_len = config.model.max_model_len or load_config(path).max_position_embeddings
+        model = load_target(path, config, dtype, device, max_len)
+        tokenizer = tokenizer or load_tokenizer(path)
+        self.model_path = str(path)
+        return model, tokenizer, load_generation_config(path)
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -150,7 +144,7 @@ class LLMEngine:
         req = Request(request_id, ids, params, self.eos_token_ids, self.tokenizer)
         # An EAGLE head that starts after a prefix-cache hit sees less context than without it,
         # and a seeded request's drafts, so its output, must not depend on what others cached.
-        req.full_prefill = params.seed is not None and bool(self.drafter is not None and self.drafter.feature_layers)
+        req.full_prefill = params.seed is not None and bool(self.speculator.feature_layers)
         if params.guided is not None:
             # EOS ends a structured output where its grammar accepts, even with ignore_eos.
             req.grammar = self.grammars.matcher(params.guided, self.eos_token_ids | set(params.stop_token_ids))
@@ -171,15 +165,6 @@ class LLMEngine:
     @grammars.setter
     def grammars(self, value) -> None:
         self._grammars = value
-
-    def spec_summary(self, request_id: str) -> dict:
-        """The request's speculation record: zero counts for a request that drew no drafts (opted
-        out, finished at its prefill), so that every reply of a speculating engine carries one;
-        empty without speculation."""
-        if self.policy is None:
-            return {}
-        st = self.policy.states.get(request_id)
-        return (st or SpecState()).summary()
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.requests.get(request_id)
@@ -212,13 +197,10 @@ class LLMEngine:
     def _release(self) -> None:
         """The one release path: for every request that ended since the last call (finished,
         aborted or failed; its KV blocks freed by ``Scheduler.finish``), drop the runner's,
-        the drafter's and the policy's state. A preempted request keeps them (it resumes)."""
+        the drafter's and the policy's state (``Speculator.free``). A preempted request keeps them (it resumes)."""
         for rid in self.scheduler.take_finished_ids():
             self.runner.free(rid)
-            if self.drafter is not None:
-                self.drafter.free(rid)
-            if self.policy is not None:
-                self.policy.free(rid)
+            self.speculator.free(rid)
 
     def check_health(self) -> None:
         """Raises ``WorkerFailure`` once a tensor-parallel worker has died or hung."""
@@ -230,118 +212,21 @@ class LLMEngine:
         if self.tp_workers is not None:
             self.tp_workers.shutdown()
 
-    def _speculation(self, config: EngineConfig, num_blocks: int, spec: KVSpec, device, dtype, drafter=None):
-        sc = config.speculative
-        if sc.method is None and drafter is None:
-            return None, None
-        drafter = drafter or build_drafter(
-            sc, target=self.model, tokenizer=self.tokenizer, num_blocks=num_blocks,
-            block_size=spec.block_size, dtype=dtype, kv_dtype=spec.dtype, device=device, target_kv=self.paged_kv,
-            attention=self.runner.attention, target_path=self.model_path,
-        )
-        if not sc.adaptive:  # the same round every step: nothing to price, nothing to measure
-            log.info("speculation: %s, %d drafts%s every step", sc.method, sc.num_speculative_tokens,
-                     " or the configured tree" if sc.uses_trees else "")
-            return drafter, FixedPolicy(sc)
-        if sc.verify_cost is not None:
-            costs = StepCosts.linear(sc.verify_cost)
-        else:
-            most = config.scheduler.max_num_seqs + sc.num_speculative_tokens
-            max_rows = min(config.scheduler.max_num_batched_tokens, most)
-            costs = measure_step_costs(self.model, self.runner, max_rows, spec.block_size, self.max_model_len)
-            self.cost_tracker = CostTracker(costs)
-        log.info("speculation: %s, num_speculative_tokens=%d, draft cost %.3f per token; pass cost by tokens %s",
-                 sc.method, sc.num_speculative_tokens, drafter.cost_per_token,
-                 " ".join(f"{r}:{c:.2f}" for r, c in zip(costs.rows, costs.costs)))
-        return drafter, SpecPolicy(sc, drafter.cost_per_token, costs)
-
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        self.step_fallbacks = 0
-        plan = self._plan()
+        clock = StepClock()
+        plan = self.speculator.plan(self.scheduler.running)
         scheduled = self.scheduler.schedule(plan.num_draft_tokens, plan.isolated)
         if scheduled.is_empty:
             return []
-        drafts = self._propose(scheduled, plan)
-        t1 = time.perf_counter()
-        result, failed = self._execute(scheduled, drafts, self._grammar_masks(scheduled, drafts))
-        t2 = time.perf_counter()
+        drafts = clock.lap(self.speculator.propose(scheduled, plan, self.scheduler.requests, self.kv_manager.block_table))
+        result, failed = clock.lap(self._execute(scheduled, drafts))
         touched = failed + self.scheduler.update(scheduled, result)
-        self._after_step(scheduled, plan, result, touched, StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t0), drafts)
-        outputs = [self._delta(r) for r in touched]
-        self._release()
-        return outputs
+        self._after_step(scheduled, plan, result, touched, clock.times(), drafts)
+        return self._outputs(touched)
 
     def set_fault_hook(self, hook: FaultHook | None) -> None:
         """Tests: ``hook(stage, request_ids)`` may raise to simulate a failure (see engine.faults)."""
-        self.fault_hook = self.runner.fault_hook = hook
-
-    def _plan(self) -> StepPlan:
-        """The speculation policy's plan for this step, from the records of the steps before
-        it and the drafter's context classes of the decoding requests (asked here, before
-        scheduling). Changes no policy state. A request drafts once it has an output token:
-        whether the step that computes its last prompt token could draft would depend on
-        where the budget and the prefix cache cut its prompt, not on the request alone."""
-        if self.policy is None:
-            return StepPlan({})
-        running = self.scheduler.running
-        shared = self.policy.plans_shared(len(running))  # False: only seeded requests are planned
-        candidates = [
-            Candidate(r.request_id, self._context_class(r), isolated=r.params.seed is not None, trees=r.grammar is None)
-            for r in running
-            if r.params.speculate and r.num_output_tokens and r.num_computed_tokens + 1 == r.num_tokens
-            and (shared or r.params.seed is not None)
-        ]
-        return self.policy.plan(candidates, len(running))
-
-    def _propose(self, scheduled: SchedulerOutput, plan: StepPlan) -> dict:
-        """Drafts for the scheduled slots (a chain, or a tree of the plan's shape). When the
-        drafter fails, each request is rolled back and drafted alone, so that only the
-        requests that fail by themselves decode without drafts this step (their drafter
-        state dropped); the others keep their state and their drafts."""
-        if self.drafter is None:
-            return {}
-        requests, tables, decisions = self.scheduler.requests, self.kv_manager.block_table, plan.decisions
-        slots = [
-            DraftSlot(requests[s.request_id], s.num_draft_tokens, tuple(tables(s.request_id)),
-                      decisions[s.request_id].template)
-            for s in scheduled.scheduled
-            if s.num_draft_tokens
-        ]
-        if not slots:
-            return {}
-        try:
-            return self._drafts(slots)
-        except Exception:  # isolated below
-            log.exception("drafter failed for %d requests; drafting them one by one", len(slots))
-        self.step_fallbacks = 1
-        drafts = {}
-        for s in slots:
-            self.drafter.rollback(s.request)
-            try:
-                drafts.update(self._drafts([s]))
-            except Exception:  # speculation is an optimization: decode plainly instead
-                log.exception("drafter failed; request %s decodes without drafts this step", s.request.request_id)
-                self.drafter.free(s.request.request_id)  # its caches may be half-written
-        return drafts
-
-    def _drafts(self, slots: list[DraftSlot]) -> dict:
-        if self.fault_hook:
-            self.fault_hook("drafter", [s.request.request_id for s in slots])
-        return _cut_to_grammar(self.drafter.propose(slots), slots)
-
-    def _context_class(self, request: Request) -> int | None:
-        """The drafter's class of the request's context (the plan asks it); a failure
-        means no drafts for this request this step, as in ``_propose``."""
-        try:
-            if self.fault_hook:
-                self.fault_hook("drafter", [request.request_id])
-            return self.drafter.context_class(request)
-        except Exception:  # speculation is an optimization: decode plainly instead
-            log.exception("drafter failed; request %s decodes without drafts this step", request.request_id)
-            self.step_fallbacks = 1
-            self.drafter.free(request.request_id)
-            return None
+        self.runner.fault_hook = self.speculator.fault_hook = hook
 
     def _grammar_masks(self, scheduled: SchedulerOutput, drafts: dict) -> dict:
         """The grammar bitmask rows of the structured requests that sample this step, for the
@@ -357,9 +242,10 @@ class LLMEngine:
             masks[s.request_id] = grammar_bitmask([grammar] * (len(ids) + 1), [ids[:p] for p in range(len(ids) + 1)], vocab)
         return masks
 
-    def _execute(self, scheduled: SchedulerOutput, drafts: dict, masks: dict) -> tuple[RunnerOutput, list[Request]]:
+    def _execute(self, scheduled: SchedulerOutput, drafts: dict) -> tuple[RunnerOutput, list[Request]]:
         """The target pass. If it fails, each request is retried alone, so that
         only the requests that fail by themselves end (with an error)."""
+        masks = self._grammar_masks(scheduled, drafts)
         try:
             return self.runner.execute(scheduled, drafts, masks), []
         except Exception:  # isolated below
@@ -378,31 +264,22 @@ class LLMEngine:
 
     def _after_step(self, scheduled: SchedulerOutput, plan: StepPlan, result: RunnerOutput, touched, times,
                     drafts: dict) -> None:
-        """Tell the drafter what was kept, record the plan of the requests that ran, report stats."""
-        if self.policy is not None:
-            if result.features:
-                self.drafter.add_features(result.features)
-            for s in scheduled.scheduled:
-                rid, draft = s.request_id, drafts.get(s.request_id)
-                accepted = result.num_accepted.get(rid, 0)
-                if rid in plan.decisions:
-                    outcomes = None
-                    if draft is not None and not is_chain(draft.parents) and rid in result.sampled:
-                        outcomes = walk(draft.token_ids, draft.parents, result.sampled[rid][:accepted])
-                    self.policy.record(rid, plan.decisions[rid], result.num_draft_tokens.get(rid, 0), accepted, outcomes)
-                if (req := self.scheduler.requests.get(rid)) is not None:  # not finished
-                    self.drafter.commit(req)
-            self.policy.end_step(plan)
-            if self.cost_tracker is not None and all(len(s.token_ids) == 1 for s in scheduled.scheduled):
-                rows = scheduled.num_tokens + sum(result.num_draft_tokens.values())  # decode step: last tokens + drafts
-                self.policy.step_costs = self.cost_tracker.observe(rows, times.execute_s, result.verify_s)
+        """Record the step's speculation (``Speculator.record``), report stats."""
+        self.speculator.record(scheduled, plan, result, drafts, self.scheduler.requests, times.execute_s)
         if self.stat_loggers:
             try:  # metrics must never fail the step: its tokens are already committed
-                stats = make_step_stats(self, scheduled, result, touched, times)
+                spec = self.speculator.step_stats(result, self.scheduler.requests)
+                stats = make_step_stats(scheduled, result, touched, times, spec)
                 for logger in self.stat_loggers:
                     logger(stats)
             except Exception:
                 log.exception("step stats failed; this step is missing from the metrics")
+
+    def _outputs(self, touched: list[Request]) -> list[RequestOutput]:
+        """The deltas of the requests a step touched, then the ended ones released."""
+        outputs = [self._delta(r) for r in touched]
+        self._release()
+        return outputs
 
     def _delta(self, req: Request) -> RequestOutput:
         """The part of ``req``'s output not yet emitted."""
@@ -424,24 +301,17 @@ class LLMEngine:
             logprobs=logprobs,
             prompt_logprobs=req.prompt_logprobs if first else None,
             error=req.error,
-            spec=self.spec_summary(req.request_id) if req.is_finished else {},
+            spec=self.speculator.summary(req.request_id) if req.is_finished else {},
         )
 
 
-def _cut_to_grammar(drafts: dict, slots: list[DraftSlot]) -> dict:
-    """Each draft chain of a request with a grammar, cut at its first token outside the
-    grammar (before the target pass; exact, see ``engine.grammar``)."""
-    for s in slots:
-        rid, grammar = s.request.request_id, s.request.grammar
-        if grammar is None or rid not in drafts:
-            continue
-        d = drafts[rid]
-        n = grammar.valid_draft_prefix(d.token_ids)
-        if n == 0:
-            del drafts[rid]
-        elif n < len(d.token_ids):
-            drafts[rid] = Draft(d.token_ids[:n], None if d.probs is None else d.probs[:n])
-    return drafts
+def _log_ready(model, num_blocks: int, spec: KVSpec, device, dtype, attention: str) -> None:
+    c_matmul = getattr(getattr(model, "lm_head", None), "kernel", None) is not None  # laid out by prepack
+    log.info("engine ready: %d KV blocks of %d tokens on %s (%s, KV cache %s, attention %s); matmul %s%s",
+             num_blocks, spec.block_size, device, dtype, spec.dtype, attention,
+             "by the C kernel (batch invariant)" if c_matmul
+             else f"by torch, inputs padded to {getattr(model, 'min_rows', 1)} rows",
+             ", each decoder layer in one C call" if getattr(model, "fused", None) else "")
 
 
 def eos_token_ids_of(hf_config, tokenizer, generation_config: dict | None = None) -> frozenset[int]:

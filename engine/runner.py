@@ -53,6 +53,7 @@ from engine.sampler import (
     compute_logprobs,
     exponential_noise,
     penalized_logits,
+    plain_greedy,
     processed_probs,
     sample,
 )
@@ -232,7 +233,7 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, requests: list[RequestState]) -> RunnerOutput:
         """Plain decoding: one token per request. logits [n, vocab]; logprobs are of the raw
         logits, the sample of the grammar-masked ones."""
-        if self._plain_greedy(requests):
+        if self._argmax_only(requests):
             # the greedy rule without drafts: argmax (the first maximum) in a third of its time
             tokens = logits.max(-1).indices.tolist()
             return RunnerOutput({r.request_id: [t] for r, t in zip(requests, tokens)})
@@ -249,7 +250,7 @@ class ModelRunner:
         request by request (``engine.spec_decode.metadata``)."""
         requests = [self.requests[s.request_id] for s in sched]
         num_logprobs = None
-        if self._plain_greedy(requests):  # the argmax of the raw logits: no sampling batch needed
+        if self._argmax_only(requests):  # the argmax of the raw logits: no sampling batch needed
             verified = greedy_rule(logits.max(-1).indices.tolist(), drafts)  # argmax, as above
         else:
             verified, num_logprobs, rows = self._verify_processed(logits, requests, drafts)
@@ -333,13 +334,10 @@ class ModelRunner:
                            self.device, torch.long)
         self._add_logprobs(result, logits[self._t(np.array(keep))], tokens, [requests[row_req[i]] for i in keep], top_n)
 
-    def _plain_greedy(self, requests: list[RequestState]) -> bool:
-        """Every request greedy with nothing that changes its logits or output (penalties,
-        logit_bias, a grammar, logprobs): the argmax of the raw logits is its token."""
-        return all(
-            r.params.argmax_of_raw_logits and r.params.logprobs is None and r.request_id not in self._grammar_masks
-            for r in requests
-        )
+    def _argmax_only(self, requests: list[RequestState]) -> bool:
+        """Every request plain greedy (``plain_greedy``: a structured request's grammar mask is
+        in ``_grammar_masks``) and asking no logprobs: the argmax of the raw logits is all it needs."""
+        return all(plain_greedy(r.params) and r.params.logprobs is None for r in requests)
 
     def _masked(self, logits: torch.Tensor, rows: list[tuple[str, int]]) -> torch.Tensor:
         """logits [R, vocab] with the tokens outside row j's grammar at -inf, ``rows[j]`` being

@@ -23,6 +23,7 @@ import torch
 
 from engine.outputs import TokenLogprob
 from engine.request import Request
+from engine.sampling_params import SamplingParams
 from engine.transfer import to_device
 
 
@@ -148,16 +149,29 @@ def exponential_noise(shape: tuple[int, int], generators: list, device) -> torch
     return noise
 
 
+def plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing that changes the logits (penalties, logit_bias, a grammar): the
+    token after a context is the argmax of the model's raw logits there, which needs no
+    sampling batch (the first maximum, as ``sample`` takes it)."""
+    return params.greedy and not params.has_penalties and not params.logit_bias and params.guided is None
+
+
 def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """One token per row. logits [n, vocab] float32 -> token ids [n] long."""
+    return sample_with_probs(logits, b)[0]
+
+
+def sample_with_probs(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``sample``'s tokens [n] and the processed distribution p [n, vocab] the random rows
+    were drawn from (a drafter's q); None when every row is greedy (nothing drawn)."""
     if b.all_greedy:
-        return penalized_logits(logits, b).argmax(-1)
+        return penalized_logits(logits, b).argmax(-1), None
     probs = processed_probs(logits, b)
     noise = exponential_noise(probs.shape, b.generators, probs.device)
     random = (probs / noise).argmax(-1)
     if not b.any_greedy:
-        return random
-    return torch.where(b.greedy, penalized_logits(logits, b).argmax(-1), random)
+        return random, probs
+    return torch.where(b.greedy, penalized_logits(logits, b).argmax(-1), random), probs
 
 
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int, rank: bool = False) -> list[TokenLogprob]:

@@ -116,12 +116,6 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
-    @property
-    def argmax_of_raw_logits(self) -> bool:
-        """Greedy with nothing that changes the logits (penalties, logit_bias): the token
-        after a context is the argmax of the model's raw logits there (a grammar aside)."""
-        return self.greedy and not self.has_penalties and not self.logit_bias
-
 
 class InvalidParameter(ValueError):
     """A request parameter out of range; ``param`` names it (OpenAI's error ``param``)."""

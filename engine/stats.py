@@ -1,5 +1,6 @@
 """Per-step statistics handed to stat loggers (the Prometheus adapter is one)."""
 
+import time
 from dataclasses import dataclass
 
 
@@ -19,6 +20,22 @@ class StepTimes:
     draft_s: float  # scheduling + drafting
     execute_s: float  # target pass + sampling / verification
     step_s: float
+
+
+class StepClock:
+    """A step's clock, started at the step's start: ``lap(value)`` ends a phase (drafting,
+    then the target pass) and passes ``value`` through, so the step reads as its phases."""
+
+    def __init__(self):
+        self.marks = [time.perf_counter()]
+
+    def lap(self, value):
+        self.marks.append(time.perf_counter())
+        return value
+
+    def times(self) -> StepTimes:
+        t0, t1, t2 = self.marks
+        return StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t0)
 
 
 @dataclass(frozen=True)
@@ -48,22 +65,24 @@ class StepStats:
         return self.num_scheduled_tokens == self.num_scheduled_requests
 
 
-def make_step_stats(engine, scheduled, result, touched, times: StepTimes) -> StepStats:
-    spec = None
-    if engine.policy is not None:
-        per_pos = [0] * max(result.num_accepted.values(), default=0)
-        for acc in result.num_accepted.values():
-            for i in range(acc):
-                per_pos[i] += 1
-        spec = SpecStepStats(
-            num_drafts=len(result.num_draft_tokens),
-            num_draft_tokens=sum(result.num_draft_tokens.values()),
-            num_accepted_tokens=sum(result.num_accepted.values()),
-            accepted_per_pos=tuple(per_pos),
-            tokens_per_round=tuple(len(result.sampled[r]) for r in result.num_draft_tokens),
-            num_paused=sum(engine.policy.is_paused(r) for r in engine.scheduler.requests),
-            num_fallbacks=engine.step_fallbacks,
-        )
+def spec_step_stats(result, num_paused: int, num_fallbacks: int) -> SpecStepStats:
+    """A step's speculation statistics from its runner output (``RunnerOutput``)."""
+    per_pos = [0] * max(result.num_accepted.values(), default=0)
+    for acc in result.num_accepted.values():
+        for i in range(acc):
+            per_pos[i] += 1
+    return SpecStepStats(
+        num_drafts=len(result.num_draft_tokens),
+        num_draft_tokens=sum(result.num_draft_tokens.values()),
+        num_accepted_tokens=sum(result.num_accepted.values()),
+        accepted_per_pos=tuple(per_pos),
+        tokens_per_round=tuple(len(result.sampled[r]) for r in result.num_draft_tokens),
+        num_paused=num_paused,
+        num_fallbacks=num_fallbacks,
+    )
+
+
+def make_step_stats(scheduled, result, touched, times: StepTimes, spec: SpecStepStats | None = None) -> StepStats:
     return StepStats(
         times=times,
         num_scheduled_tokens=scheduled.num_tokens,

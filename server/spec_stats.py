@@ -16,10 +16,8 @@ class SpecStats:
     @classmethod
     def of(cls, serving) -> "SpecStats":
         """From a ``ServingEngine``: the setting, and the speculation of the engine it serves."""
-        engine = getattr(serving.engine, "engine", None)  # the AsyncEngine's LLMEngine
-        spec = engine.config.speculative if engine is not None else serving.settings.engine_config().speculative
-        speculating = spec.method is not None or getattr(engine, "drafter", None) is not None
-        return cls(serving.settings.per_request_spec_decode_stats, spec.num_speculative_tokens, speculating)
+        speculating, num_spec_tokens = serving.engine.speculation()
+        return cls(serving.settings.per_request_spec_decode_stats, num_spec_tokens, speculating)
 
     def of_choice(self, summary: dict) -> dict | None:
         """The choice's ``speculative_decoding_stats`` from the engine's record of it

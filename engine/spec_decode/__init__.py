@@ -1,5 +1,7 @@
 """Speculative decoding's one home: what the engine knows of speculation.
 
+- ``speculator``: the ``Speculator``, the engine's one owner of the drafter, the policy
+  and the cost tracker (plan, propose, record);
 - ``drafter``: the draft types (``DraftSlot``, ``Draft``) and the ``Drafter`` interface;
 - ``registry``: the one mapping from a method name to its drafter's factory;
 - ``policy``: how many drafts each request verifies in a step (``SpecPolicy``);

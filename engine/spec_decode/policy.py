@@ -199,7 +199,7 @@ class Candidate:
     request_id: str
     context_class: int | None  # the drafter's class of its committed context; None: nothing to propose
     isolated: bool = False  # seeded: its own record only, priced as if alone (see the module docstring)
-    trees: bool = True  # may get a token tree (False under a grammar: LLMEngine._cut_to_grammar cuts chains only)
+    trees: bool = True  # may get a token tree (False under a grammar: speculator.cut_to_grammar cuts chains only)
 
 
 @dataclass(frozen=True)

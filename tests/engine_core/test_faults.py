@@ -46,4 +46,4 @@ def test_a_failing_drafter_falls_back_to_plain_decoding(tiny_model, method):
     assert all(g.finish_reason == "length" for g in got)
     assert sum(s.spec.num_fallbacks for s in stats) > 0
     check_no_lost_blocks(engine)
-    assert engine.drafter.__class__.__name__ != "ModelDrafter" or engine.drafter.kv.num_free_blocks == 64
+    assert engine.speculator.drafter.__class__.__name__ != "ModelDrafter" or engine.speculator.drafter.kv.num_free_blocks == 64

@@ -9,7 +9,7 @@ import torch
 
 from engine.spec_decode.drafter import Draft, DraftSlot
 from engine.grammar import Grammars
-from engine.llm_engine import _cut_to_grammar
+from engine.spec_decode.speculator import cut_to_grammar
 from engine.sampler import mask_logits
 from engine.sampling_params import GuidedDecoding, InvalidParameter
 from tests.grammars import vocab_grammars
@@ -56,9 +56,9 @@ def test_drafts_are_cut_at_the_first_token_outside_the_grammar():
 
     probs = torch.rand(3, 4)
     drafts = {"r": Draft([0, 2, 1], probs)}
-    out = _cut_to_grammar(drafts, [DraftSlot(Req(), 3)])
+    out = cut_to_grammar(drafts, [DraftSlot(Req(), 3)])
     assert out["r"].token_ids == [0] and torch.equal(out["r"].probs, probs[:1])
-    assert _cut_to_grammar({"r": Draft([2])}, [DraftSlot(Req(), 1)]) == {}
+    assert cut_to_grammar({"r": Draft([2])}, [DraftSlot(Req(), 1)]) == {}
 
 
 def test_a_grammar_is_done_when_complete_and_only_a_stop_token_may_follow():

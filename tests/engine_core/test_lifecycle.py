@@ -25,8 +25,8 @@ def held(engine: LLMEngine, rid: str) -> set[str]:
         "kv blocks": bool(engine.kv_manager.block_table(rid)),
         "runner state": rid in engine.runner.requests,
         "runner generator": rid in engine.runner.generators,
-        "drafter index": rid in engine.drafter.indexes,
-        "policy record": rid in engine.policy.states,
+        "drafter index": rid in engine.speculator.drafter.indexes,
+        "policy record": rid in engine.speculator.policy.states,
     }
     return {name for name, is_held in places.items() if is_held}
 
@@ -47,7 +47,7 @@ def run_until(engine: LLMEngine, done) -> list:
 def test_a_running_request_holds_everything_that_each_end_frees(tiny_model):
     engine = spec_engine(tiny_model)
     engine.add_request("a", PROMPT, SEEDED)
-    run_until(engine, lambda: engine.policy.states.get("a") and engine.policy.states["a"].num_drafts)
+    run_until(engine, lambda: engine.speculator.policy.states.get("a") and engine.speculator.policy.states["a"].num_drafts)
     assert held(engine, "a") == {
         "scheduler", "kv blocks", "runner state", "runner generator", "drafter index", "policy record"
     }
@@ -87,4 +87,5 @@ def test_a_preempted_then_aborted_request_frees_everything(tiny_model):
     engine.abort_request("new")
     assert held(engine, "new") == set()
     engine.abort_request("old")
-    assert all_freed(engine) and not engine.runner.requests and not engine.runner.generators and not engine.policy.states
+    assert all_freed(engine) and not engine.runner.requests and not engine.runner.generators
+    assert not engine.speculator.policy.states

@@ -210,11 +210,11 @@ def test_greedy_outputs_are_the_same_with_the_cache_on_and_off(make_engine, mode
     on_engine = make_engine(model, **kw)
     hits = hit_counter(on_engine)
     drafted = []
-    if on_engine.policy is not None:
+    if on_engine.speculator.policy is not None:
         on_engine.stat_loggers.append(lambda s: drafted.append(s.spec.num_draft_tokens))
     assert run_in_turns(on_engine, prompts, params) == off
     assert sum(h for _, h in hits) > 0
-    assert on_engine.policy is None or sum(drafted) > 0
+    assert on_engine.speculator.policy is None or sum(drafted) > 0
     assert "num_blocks" not in kw or on_engine.scheduler.num_preemptions > 0
     assert on_engine.kv_manager.pool.num_cached_blocks > 0  # and still all free: checked by make_engine
 

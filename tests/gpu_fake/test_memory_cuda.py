@@ -76,7 +76,7 @@ def test_the_engine_stays_within_its_share_with_a_draft_model(checkpoints):
         while engine.has_unfinished():
             engine.step()
         assert gpu.peak <= 0.5 * gpu.total_bytes, (gpu.peak, gpu.total_bytes)
-        assert engine.drafter.kv.pool.num_blocks == engine.kv_manager.pool.num_blocks
+        assert engine.speculator.drafter.kv.pool.num_blocks == engine.kv_manager.pool.num_blocks
 
 
 def test_num_gpu_blocks_override_skips_the_profile(monkeypatch):

@@ -36,6 +36,6 @@ def greedy_tokens(engine: LLMEngine, prompts=PROMPTS, max_tokens: int = NEW_TOKE
     while engine.has_unfinished():
         engine.step()
     check_no_lost_blocks(engine)
-    if engine.drafter is not None and hasattr(engine.drafter, "kv"):
-        assert engine.drafter.kv.num_free_blocks == engine.drafter.kv.pool.num_blocks
+    if engine.speculator.drafter is not None and hasattr(engine.speculator.drafter, "kv"):
+        assert engine.speculator.drafter.kv.num_free_blocks == engine.speculator.drafter.kv.pool.num_blocks
     return [r.output_token_ids for r in reqs]

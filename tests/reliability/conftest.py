@@ -117,11 +117,11 @@ def leftover_state(engine: LLMEngine, serving=None) -> dict[str, int]:
         "runner.requests": len(engine.runner.requests),
         "runner.generators": len(engine.runner.generators),
     }
-    if engine.policy is not None:
-        held["policy.states"] = len(engine.policy.states)
+    if engine.speculator.policy is not None:
+        held["policy.states"] = len(engine.speculator.policy.states)
     for name in ("indexes", "cached", "generators"):
-        if isinstance(getattr(engine.drafter, name, None), dict):
-            held[f"drafter.{name}"] = len(getattr(engine.drafter, name))
+        if isinstance(getattr(engine.speculator.drafter, name, None), dict):
+            held[f"drafter.{name}"] = len(getattr(engine.speculator.drafter, name))
     if serving is not None:
         held.update({"serving.live": len(serving.live), "serving.pending": serving.pending})
         held["async streams"] = len(serving.engine._streams)

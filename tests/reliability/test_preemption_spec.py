@@ -56,5 +56,5 @@ def test_sixteen_requests_on_a_tiny_pool_with_speculation(default_engine, unpres
         assert status == 200 and events[-1] == "[DONE]" and finish_reason(events) == "length"
         assert stream_text(events) == want
     assert engine.kv_manager.num_free_blocks == NUM_BLOCKS
-    if hasattr(engine.drafter, "kv"):
-        assert engine.drafter.kv.num_free_blocks == engine.drafter.kv.pool.num_blocks
+    if hasattr(engine.speculator.drafter, "kv"):
+        assert engine.speculator.drafter.kv.num_free_blocks == engine.speculator.drafter.kv.pool.num_blocks

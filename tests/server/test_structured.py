@@ -152,7 +152,7 @@ def test_sampled_answers_follow_their_schemas(spec_server):
     texts = run_schema_requests(server, 5)
     assert len(set(texts)) > 1
     if name != "off":
-        assert server.engine.policy is not None
+        assert server.engine.speculator.policy is not None
 
 
 @pytest.mark.slow

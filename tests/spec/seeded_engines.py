@@ -51,8 +51,8 @@ def build(name: str, tmp_path, tokenizer=None, num_blocks: int = 256) -> LLMEngi
     # The table timed at start-up, replaced by one shaped as a GPU's (extra rows nearly free
     # up to a few) and drafts priced at 0.05 of a step: drafting then pays on this tiny model
     # whatever the machine's load. The tracker moves it with the real steps' times from here.
-    timed = engine.policy.step_costs
+    timed = engine.speculator.policy.step_costs
     table = StepCosts(timed.rows, (1.0, 1.02, 1.04, 1.08, 1.3, 2.0, 2.8), one_token_s=timed.one_token_s)
-    engine.policy = SpecPolicy(spec, 0.05, table)
-    engine.cost_tracker = CostTracker(table)
+    engine.speculator.policy = SpecPolicy(spec, 0.05, table)
+    engine.speculator.cost_tracker = CostTracker(table)
     return engine

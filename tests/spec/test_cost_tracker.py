@@ -81,36 +81,36 @@ def test_the_engine_recalibrates_a_timed_table_and_leaves_a_pinned_one(make_engi
     model = tiny_model()
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     timed = make_engine(model, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
-    start = timed.policy.step_costs
+    start = timed.speculator.policy.step_costs
     timed.add_request("a", [5, 6, 7, 5, 6, 7, 5, 6], params)
     while timed.has_unfinished():
         timed.step()
-    assert timed.cost_tracker.num_observed > 0
-    assert timed.policy.step_costs != start
+    assert timed.speculator.cost_tracker.num_observed > 0
+    assert timed.speculator.policy.step_costs != start
     pinned = make_engine(model, speculative=SpeculativeConfig(method="ngram", verify_cost=0.05))
-    before = pinned.policy.step_costs
+    before = pinned.speculator.policy.step_costs
     pinned.add_request("b", [5, 6, 7, 5, 6, 7, 5, 6], params)
     while pinned.has_unfinished():
         pinned.step()
-    assert pinned.cost_tracker is None and pinned.policy.step_costs == before
+    assert pinned.speculator.cost_tracker is None and pinned.speculator.policy.step_costs == before
 
 
 def test_the_fixed_policy_measures_no_step_costs(make_engine, tiny_model, monkeypatch):
     """``adaptive: false`` prices nothing: the engine starts without timing a single pass,
     and plans num_speculative_tokens drafts for every decoding request each step."""
-    from engine import llm_engine
+    from engine.spec_decode import speculator
 
     def refuse(*args, **kw):
         raise AssertionError("the step costs were measured")
 
-    monkeypatch.setattr(llm_engine, "measure_step_costs", refuse)
+    monkeypatch.setattr(speculator, "measure_step_costs", refuse)
     with pytest.raises(AssertionError, match="measured"):
         make_engine(tiny_model(), speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
     fixed = make_engine(tiny_model(vocab_size=64), speculative=SpeculativeConfig(
         method="ngram", num_speculative_tokens=3, adaptive=False))
-    assert fixed.cost_tracker is None
-    planned, drafted, plan = [], [], fixed.policy.plan
-    fixed.policy.plan = lambda *a: planned.append(p := plan(*a)) or p
+    assert fixed.speculator.cost_tracker is None
+    planned, drafted, plan = [], [], fixed.speculator.policy.plan
+    fixed.speculator.policy.plan = lambda *a: planned.append(p := plan(*a)) or p
     fixed.stat_loggers.append(lambda s: drafted.append(s.spec.num_draft_tokens))
     prompt = list(range(64)) * 2  # every token has occurred: prompt lookup always proposes
     fixed.add_request("a", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))

@@ -36,7 +36,7 @@ def serve(llm: LLMEngine, requests: dict[str, SamplingParams]) -> tuple[dict[str
     while llm.has_unfinished():
         llm.step()
     check_no_lost_blocks(llm)
-    assert llm.drafter.kv.num_free_blocks == llm.drafter.kv.pool.num_blocks
+    assert llm.speculator.drafter.kv.num_free_blocks == llm.speculator.drafter.kv.pool.num_blocks
     return {rid: r.output_token_ids for rid, r in reqs.items()}, sum(s.spec.num_fallbacks for s in stats)
 
 
@@ -66,10 +66,10 @@ def test_a_drafter_failure_leaves_the_other_requests_drafts_and_state(tiny_model
     for trees in (False, True):
         alone, _ = serve(tree_engine(tiny_model, trees), {"s": SEEDED})
         llm = tree_engine(tiny_model, trees)
-        llm.drafter.propose = failing_for("bad", llm.drafter.propose)
+        llm.speculator.drafter.propose = failing_for("bad", llm.speculator.drafter.propose)
         freed = []
-        free = llm.drafter.free
-        llm.drafter.free = lambda rid: freed.append((rid, llm.has_request(rid))) or free(rid)
+        free = llm.speculator.drafter.free
+        llm.speculator.drafter.free = lambda rid: freed.append((rid, llm.has_request(rid))) or free(rid)
         out, fallbacks = serve(llm, {"s": SEEDED, "bad": GREEDY})
         assert fallbacks > 0
         assert out["s"] == alone["s"]

@@ -97,7 +97,7 @@ def test_drafts_are_the_heads_predictions_from_the_committed_context(tmp_path, k
     the features handed over, the pairs fed and the rollback of guessed pairs are right."""
     model = small_target()
     engine = eagle_engine(model, kind, write_random_head(model, kind, tmp_path / kind, **kw))
-    rounds, propose = [], engine.drafter.propose
+    rounds, propose = [], engine.speculator.drafter.propose
 
     def record(slots):
         drafts = propose(slots)
@@ -105,10 +105,10 @@ def test_drafts_are_the_heads_predictions_from_the_committed_context(tmp_path, k
                       if s.request.request_id in drafts)
         return drafts
 
-    engine.drafter.propose = record
+    engine.speculator.drafter.propose = record
     run(engine, PROMPTS[:2], max_tokens=24)
     assert len(rounds) >= 10
-    head = engine.drafter.head
+    head = engine.speculator.drafter.head
     for context, drafts in rounds:
         assert drafts == fresh_drafts(model, head, context, len(drafts))
 
@@ -120,7 +120,7 @@ def test_tree_drafts_are_the_heads_top_tokens_after_each_branch(tmp_path, kind, 
     parent's output, at its depth, attending to its ancestors only."""
     model = small_target()
     engine = eagle_engine(model, kind, write_random_head(model, kind, tmp_path / kind, **kw), **TREE)
-    rounds, propose = [], engine.drafter.propose
+    rounds, propose = [], engine.speculator.drafter.propose
 
     def record(slots):
         drafts = propose(slots)
@@ -128,11 +128,11 @@ def test_tree_drafts_are_the_heads_top_tokens_after_each_branch(tmp_path, kind, 
                       if s.request.request_id in drafts)
         return drafts
 
-    engine.drafter.propose = record
+    engine.speculator.drafter.propose = record
     run(engine, PROMPTS[:2], max_tokens=16)
     trees = [(c, d) for c, d in rounds if d.parents is not None]
     assert len(trees) >= 5
-    head = engine.drafter.head
+    head = engine.speculator.drafter.head
     for context, draft in trees:
         for node in [-1, *range(len(draft.parents))]:
             kids = [draft.token_ids[i] for i, p in enumerate(draft.parents) if p == node]
@@ -188,12 +188,12 @@ def test_the_combination_is_exact_and_uses_both_drafters(tmp_path, tree, method)
     model = small_target()
     head = write_random_head(model, "eagle3", tmp_path / "h", draft_vocab=12)
     engine = eagle_engine(model, method, head, **tree)
-    used, propose = {"lookup": 0, "eagle": 0}, {n: getattr(engine.drafter, n).propose for n in ("lookup", "eagle")}
+    used, propose = {"lookup": 0, "eagle": 0}, {n: getattr(engine.speculator.drafter, n).propose for n in ("lookup", "eagle")}
     for name in used:
         def count(slots, name=name):
             used[name] += len(slots)
             return propose[name](slots)
-        setattr(getattr(engine.drafter, name), "propose", count)
+        setattr(getattr(engine.speculator.drafter, name), "propose", count)
     prompts = PROMPTS + [[5, 6, 7, 8] * 6]  # repetitive: prompt lookup matches
     assert run(engine, prompts) == run(eagle_engine(model), prompts)
     assert used["lookup"] > 0 and used["eagle"] > 0
@@ -217,7 +217,7 @@ def test_the_combination_picks_by_past_records(tmp_path):
 
     model = small_target()
     engine = eagle_engine(model, "ngram+eagle3", write_random_head(model, "eagle3", tmp_path / "h", draft_vocab=12))
-    drafter = engine.drafter
+    drafter = engine.speculator.drafter
     req = engine.add_request("r", list(range(16)), greedy(8))
     engine.step()  # prefill: the head has the prompt's features; every token occurred before
     assert drafter.lookup.context_class(req) is not None
@@ -239,7 +239,7 @@ def test_a_seeded_request_picks_by_its_own_records_only(tmp_path):
 
     model = small_target()
     engine = eagle_engine(model, "ngram+eagle3", write_random_head(model, "eagle3", tmp_path / "h", draft_vocab=12))
-    drafter = engine.drafter
+    drafter = engine.speculator.drafter
     seeded = engine.add_request("s", list(range(16)), SamplingParams(max_tokens=8, temperature=1.0, seed=3))
     plain = engine.add_request("u", list(range(16)), SamplingParams(max_tokens=8, temperature=1.0))
     engine.step()  # prefill: the head has the prompts' features; every token occurred before

@@ -30,14 +30,14 @@ TREE_SAMPLES = 2 * NUM_SAMPLES
 
 def count_trees(engine) -> list[int]:
     """A counter of the drafts proposed as token trees (not chains), kept up to date."""
-    count, propose = [0], engine.drafter.propose
+    count, propose = [0], engine.speculator.drafter.propose
 
     def counted(slots):
         drafts = propose(slots)
         count[0] += sum(d.parents is not None for d in drafts.values())
         return drafts
 
-    engine.drafter.propose = counted
+    engine.speculator.drafter.propose = counted
     return count
 
 

@@ -39,14 +39,14 @@ def test_drafts_are_the_first_layers_greedy_predictions(tiny_model):
     model = tiny_model(num_hidden_layers=4)
     engine = engine_for(model)
     rounds = []
-    propose = engine.drafter.propose
+    propose = engine.speculator.drafter.propose
 
     def record(slots):
         drafts = propose(slots)
         rounds.extend((list(s.request.token_ids), drafts[s.request.request_id].token_ids) for s in slots)
         return drafts
 
-    engine.drafter.propose = record
+    engine.speculator.drafter.propose = record
     engine.add_request("r", PROMPT, greedy(12))
     while engine.has_unfinished():
         engine.step()

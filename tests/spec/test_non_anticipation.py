@@ -33,8 +33,8 @@ def plans_and_drafts(engine, params: SamplingParams, n: int = 8):
     """Runs ``n`` requests; returns the per-step event log: ("plan", id, slots) from the
     policy, ("draft", id, slots given, drafts proposed, drafts verified) after the step."""
     events: list[list[tuple]] = []
-    plan = engine.policy.plan
-    propose, execute = engine.drafter.propose, engine.runner.execute
+    plan = engine.speculator.policy.plan
+    propose, execute = engine.speculator.drafter.propose, engine.runner.execute
     proposed: dict[str, int] = {}
 
     def planned(candidates, num_running):
@@ -55,7 +55,7 @@ def plans_and_drafts(engine, params: SamplingParams, n: int = 8):
             events[-1].append(("verified", rid, proposed.pop(rid), k))
         return result
 
-    engine.policy.plan, engine.drafter.propose, engine.runner.execute = planned, drafted, verified
+    engine.speculator.policy.plan, engine.speculator.drafter.propose, engine.runner.execute = planned, drafted, verified
     for i in range(n):
         engine.add_request(f"r{i}", PROMPT, params)
     while engine.has_unfinished():

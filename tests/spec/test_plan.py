@@ -24,13 +24,13 @@ def test_planning_twice_mid_run_gives_the_same_plan_and_changes_nothing(tiny_mod
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
     plans = 0
     while engine.has_unfinished():
-        before = policy_state(engine.policy)
-        first, second = engine._plan(), engine._plan()
+        before = policy_state(engine.speculator.policy)
+        first, second = (engine.speculator.plan(engine.scheduler.running) for _ in range(2))
         assert first == second
-        assert policy_state(engine.policy) == before
+        assert policy_state(engine.speculator.policy) == before
         plans += bool(first.num_draft_tokens)
         engine.step()
-    assert plans > 3 and engine.policy.states == {}  # it did plan drafts; every record freed at the end
+    assert plans > 3 and engine.speculator.policy.states == {}  # it did plan drafts; every record freed at the end
 
 
 def test_a_plan_that_is_not_run_leaves_no_trace():
@@ -52,12 +52,12 @@ def test_a_paused_batch_size_does_not_ask_the_drafter_but_a_seeded_request_is_st
     stops asking the drafter for their context classes, except the seeded one's."""
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
     engine = LLMEngine(engine_config(256, speculative=spec, enable_prefix_caching=False), model=tiny_model(vocab_size=64))
-    engine.cost_tracker = None  # keep the table below: extra rows cost as much as requests
-    engine.policy.step_costs = StepCosts((1, 9, 33), (1.0, 2.0, 5.0), one_token_s=0.01)
-    engine.policy.pooled = {n: ClassState([0.1] * 4, tested=4) for n in range(1, 5)}
+    engine.speculator.cost_tracker = None  # keep the table below: extra rows cost as much as requests
+    engine.speculator.policy.step_costs = StepCosts((1, 9, 33), (1.0, 2.0, 5.0), one_token_s=0.01)
+    engine.speculator.policy.pooled = {n: ClassState([0.1] * 4, tested=4) for n in range(1, 5)}
     asked = []
-    context_class = engine.drafter.context_class
-    engine.drafter.context_class = lambda r: asked.append(r.request_id) or context_class(r)
+    context_class = engine.speculator.drafter.context_class
+    engine.speculator.drafter.context_class = lambda r: asked.append(r.request_id) or context_class(r)
     for i in range(10):
         params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, seed=1 if i == 0 else None)
         engine.add_request(f"r{i}", [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], params)
@@ -70,4 +70,4 @@ def test_a_paused_batch_size_does_not_ask_the_drafter_but_a_seeded_request_is_st
     assert decoding[0] == {f"r{i}" for i in range(10)}
     assert all(len(s) == 10 for s in decoding[:IDLE_PLANS])
     assert all(s == {"r0"} for s in decoding[IDLE_PLANS : IDLE_PLANS + MIN_BATCH_PAUSE])
-    assert engine.policy.states == {}
+    assert engine.speculator.policy.states == {}

@@ -76,14 +76,14 @@ def test_an_engine_of_64_requests_whose_copies_miss_decodes_almost_plainly(make_
     drafts ~30 tokens per 100 output tokens here)."""
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=16, prompt_lookup_max=8)
     engine = make_engine(tiny_model(), speculative=spec, num_blocks=512, max_num_seqs=64, max_num_batched_tokens=2048)
-    engine.policy.step_costs = StepCosts(ROWS, shaped(ROWS, list(TIMED)))
-    engine.cost_tracker = None  # the table stays as given
+    engine.speculator.policy.step_costs = StepCosts(ROWS, shaped(ROWS, list(TIMED)))
+    engine.speculator.cost_tracker = None  # the table stays as given
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     for i in range(64):
         engine.add_request(f"r{i}", [7 + i % 5, 8, 9, 10] * 6, params)
     drafted = []
-    record = engine.policy.record
-    engine.policy.record = lambda rid, d, n, *a, **k: drafted.append(n) or record(rid, d, n, *a, **k)
+    record = engine.speculator.policy.record
+    engine.speculator.policy.record = lambda rid, d, n, *a, **k: drafted.append(n) or record(rid, d, n, *a, **k)
     while engine.has_unfinished():
         engine.step()
     assert 100 * sum(drafted) / (64 * 24) < 5

@@ -28,7 +28,7 @@ def engine(costs: StepCosts | None = None):
         k=4, adaptive=True, verify_cost=0.05,
     )
     if costs is not None:
-        e.policy.step_costs = costs
+        e.speculator.policy.step_costs = costs
     return e
 
 
@@ -61,7 +61,7 @@ def seeded_after_traffic(costs=None):
     busy = engine(costs)
     for rid, params in traffic(4, "before").items():  # one at a time: each drafts 4 and passes most
         serve(busy, {rid: params})
-    pooled = busy.policy.pooled[0].rates
+    pooled = busy.speculator.policy.pooled[0].rates
     assert max(abs(r - PRIOR_ACCEPTANCE) for r in pooled) > 0.2, pooled  # the history moved the pooled rates
     after = serve(busy, {"s": SEEDED})["s"]
     beside = serve(busy, {"s": SEEDED, **traffic(16, "beside")})["s"]

@@ -19,8 +19,8 @@ TABLE = StepCosts((1, 2, 4, 8, 16, 32, 64), (1.0, 1.02, 1.04, 1.08, 1.3, 2.0, 2.
 
 def pinned(name: str, tmp_path) -> LLMEngine:
     engine = build(name, tmp_path, num_blocks=NUM_BLOCKS)
-    engine.policy = SpecPolicy(engine.config.speculative, 0.05, TABLE)
-    engine.cost_tracker = None
+    engine.speculator.policy = SpecPolicy(engine.config.speculative, 0.05, TABLE)
+    engine.speculator.cost_tracker = None
     return engine
 
 

@@ -42,7 +42,7 @@ def others(prefix: str, n: int) -> list[tuple[str, list[int], SamplingParams]]:
 def record_drafts(engine: LLMEngine) -> dict[str, list]:
     """Request id -> its rounds' drafts as proposed: (tokens, tree, q [n, vocab] or None)."""
     rounds: dict[str, list] = {}
-    propose = engine.drafter.propose
+    propose = engine.speculator.drafter.propose
 
     def recorded(slots):
         drafts = propose(slots)
@@ -50,7 +50,7 @@ def record_drafts(engine: LLMEngine) -> dict[str, list]:
             rounds.setdefault(rid, []).append((d.token_ids, d.parents, d.probs))
         return drafts
 
-    engine.drafter.propose = recorded
+    engine.speculator.drafter.propose = recorded
     return rounds
 
 
@@ -74,7 +74,7 @@ def serve(engine: LLMEngine, requests) -> dict[str, list[int]]:
 @pytest.mark.parametrize("name", DRAFTERS)
 def test_a_seeded_request_writes_the_same_alone_beside_others_and_after_a_cache_hit(name, tmp_path):
     engine = build(name, tmp_path)
-    assert engine.cost_tracker is not None  # the costs were measured and are tracked
+    assert engine.speculator.cost_tracker is not None  # the costs were measured and are tracked
     stats = []
     engine.stat_loggers.append(stats.append)
     drafts = record_drafts(engine)
@@ -101,7 +101,7 @@ def test_a_seeded_request_with_a_head_writes_the_same_after_its_own_prompt_was_c
     seeded request with a head computes its whole prompt though its blocks are cached."""
     for seed in range(4):
         engine = build("eagle3", tmp_path)
-        engine.cost_tracker = None
+        engine.speculator.cost_tracker = None
         stats = []
         engine.stat_loggers.append(stats.append)
         params = SamplingParams(max_tokens=24, temperature=1.0, seed=seed, ignore_eos=True)

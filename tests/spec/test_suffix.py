@@ -90,14 +90,14 @@ def test_greedy_output_equals_plain_decoding(tree_width, max_cached, tiny_model)
                                         "suffix_decoding_max_cached_requests": max_cached,
                                         "suffix_decoding_max_spec_factor": 2.0})
     llm = tiny_engine(model, spec)
-    assert isinstance(llm.drafter, SuffixDrafter)
+    assert isinstance(llm.speculator.drafter, SuffixDrafter)
     drafts = []
-    propose = llm.drafter.propose
-    llm.drafter.propose = lambda slots: drafts.append(d := propose(slots)) or d
+    propose = llm.speculator.drafter.propose
+    llm.speculator.drafter.propose = lambda slots: drafts.append(d := propose(slots)) or d
     assert greedy_run(llm) == plain
     assert sum(len(d.token_ids) for step in drafts for d in step.values()) > 20
     assert any(d.parents is not None for step in drafts for d in step.values()) == (tree_width > 1)
-    assert not llm.drafter.seqs  # every request's state dropped
+    assert not llm.speculator.drafter.seqs  # every request's state dropped
 
 
 # ---- sampling: the target's joint distribution ----
@@ -139,8 +139,8 @@ def test_a_seeded_request_drafts_the_same_alone_and_beside_others(name, tmp_path
 def seeded_runs(name: str, tmp_path, own_only: bool):
     engine = build(name, tmp_path)
     if not own_only:  # the power check: seeded requests read the global tree as the others do
-        sync = engine.drafter._sync
-        engine.drafter._sync = lambda request: (st := sync(request)) and st[:2] + [False]
+        sync = engine.speculator.drafter._sync
+        engine.speculator.drafter._sync = lambda request: (st := sync(request)) and st[:2] + [False]
     drafts = record_drafts(engine)
     out = serve(engine, [("s-alone", PROMPT, SEEDED)])
     serve(engine, others("warm", 12))

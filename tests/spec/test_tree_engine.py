@@ -57,8 +57,8 @@ def greedy_run(llm: LLMEngine, max_tokens: int = 24) -> list[list[int]]:
     while llm.has_unfinished():
         llm.step()
     check_no_lost_blocks(llm)
-    if hasattr(llm.drafter, "kv"):
-        assert llm.drafter.kv.num_free_blocks == llm.drafter.kv.pool.num_blocks
+    if hasattr(llm.speculator.drafter, "kv"):
+        assert llm.speculator.drafter.kv.num_free_blocks == llm.speculator.drafter.kv.pool.num_blocks
     return [r.output_token_ids for r in reqs]
 
 
@@ -98,8 +98,8 @@ def test_greedy_output_with_trees_equals_plain_decoding(name, kv_cache_dtype, ti
     llm = tiny_engine(model, spec, drafter, kv_cache_dtype)
     assert llm.paged_kv.k[0].dtype == kv_dtype
     trees = []
-    propose = llm.drafter.propose
-    llm.drafter.propose = lambda slots: trees.append(d := propose(slots)) or d
+    propose = llm.speculator.drafter.propose
+    llm.speculator.drafter.propose = lambda slots: trees.append(d := propose(slots)) or d
     moves = Moves(monkeypatch)
     assert greedy_run(llm) == plain
     num_trees = sum(1 for step in trees for d in step.values() if d.parents is not None)
