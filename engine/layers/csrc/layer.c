@@ -1,6 +1,6 @@
 /* One Llama decoder layer in one call (pre-norm attention, a gated SiLU MLP or a mixture of
  * experts, no output biases), float32: the kernel calls of the model's layer-by-layer forward
- * (engine/models/llama.py), in the same order, so its results are the same bits, without the
+ * (engine/models/decoder.py), in the same order, so its results are the same bits, without the
  * Python and torch dispatch between them. */
 #include "common.h"
 #include "specserve_kernels.h"
