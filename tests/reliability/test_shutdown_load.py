@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.reliability.conftest import finish_reason, parse_sse
 
@@ -43,6 +44,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 1
             time.sleep(0.2)
 
 
+@pytest.mark.slow  # a real server process under load (tests/server/test_shutdown.py drains in process)
 def test_sigterm_under_load_drains_and_exits_0(tmp_path):
     port, log = free_port(), tmp_path / "serve.log"
     url = f"http://127.0.0.1:{port}"
