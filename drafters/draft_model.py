@@ -25,15 +25,15 @@ import numpy as np
 import torch
 
 from drafters.tree_drafting import GrowingTree, grow_trees
-from engine import tree
+from engine.utils import tree
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
-from engine.gpu_memory import DrafterMemory
+from engine.worker.gpu_memory import DrafterMemory
 from engine.models.decoder import head_dim_of
-from engine.request import Request
-from engine.sampler import build_sampling_batch, mask_logits, penalized_logits, processed_probs, sample_with_probs
+from engine.core.request import Request
+from engine.worker.sampler import build_sampling_batch, mask_logits, penalized_logits, processed_probs, sample_with_probs
 from engine.spec_decode.drafter import Draft, Drafter, DraftSlot
-from engine.transfer import to_device
+from engine.utils.transfer import to_device
 from kvcache import KVCacheManager
 from kvcache.manager import slot_mapping
 from kvcache.tensors import KVSpec, PagedKV, move_slots
@@ -260,8 +260,8 @@ class ModelDrafter(SamplingDrafter):
 def build(spec, *, target, tokenizer, num_blocks, block_size, dtype, device, attention=TORCH, kv_dtype=None,
           target_path: str = "the target", **_) -> ModelDrafter:
     """A separate, smaller model that shares the target's tokenizer (of any family)."""
-    from engine.loader import load_model, load_tokenizer
-    from engine.model_store import resolve_model
+    from engine.worker.loader import load_model, load_tokenizer
+    from engine.worker.model_store import resolve_model
 
     if not spec.model:
         raise ValueError('speculative method "draft_model" needs "model": a local directory or GGUF file')
@@ -276,8 +276,8 @@ def build(spec, *, target, tokenizer, num_blocks, block_size, dtype, device, att
 
 def memory_needs(spec, *, dtype, block_size, kv_dtype=None, **_) -> DrafterMemory:
     """The draft model's weights and KV bytes per block, for the GPU memory budget."""
-    from engine.loader import load_config, weight_bytes
-    from engine.model_store import resolve_model
+    from engine.worker.loader import load_config, weight_bytes
+    from engine.worker.model_store import resolve_model
 
     cfg = load_config(resolve_model(spec.model))
     kv = KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), block_size, kv_dtype or dtype)

@@ -37,12 +37,12 @@ from engine.spec_decode.drafter import Draft, DraftSlot
 from drafters.draft_model import SamplingDrafter, chain_draft
 from drafters.eagle_head import EagleHead, load_eagle_head
 from drafters.tree_drafting import GrowingTree, grow_trees
-from engine import tree
+from engine.utils import tree
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
-from engine.gpu_memory import DrafterMemory
-from engine.sampler import plain_greedy
-from engine.transfer import to_device
+from engine.worker.gpu_memory import DrafterMemory
+from engine.worker.sampler import plain_greedy
+from engine.utils.transfer import to_device
 from kvcache import KVCacheManager
 from kvcache.tensors import KVSpec, PagedKV
 
@@ -224,7 +224,7 @@ class EagleDrafter(SamplingDrafter):
 def memory_needs(spec, *, dtype, block_size, kv_dtype=None, **_) -> DrafterMemory:
     """The head's weights and KV bytes per block, for the GPU memory budget."""
     from drafters.eagle_head import head_memory
-    from engine.model_store import resolve_model
+    from engine.worker.model_store import resolve_model
 
     return DrafterMemory(*head_memory(resolve_model(spec.model), dtype, block_size, kv_dtype))
 
@@ -232,7 +232,7 @@ def memory_needs(spec, *, dtype, block_size, kv_dtype=None, **_) -> DrafterMemor
 def eagle_factory(kind: str):
     def factory(spec, *, target, num_blocks, block_size, dtype, device, attention=TORCH, kv_dtype=None,
                 **_) -> EagleDrafter:
-        from engine.model_store import resolve_model
+        from engine.worker.model_store import resolve_model
 
         if not spec.model:
             raise ValueError(f'speculative method "{kind}" needs "model": a local directory with an {kind} head')

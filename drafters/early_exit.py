@@ -23,11 +23,11 @@ import torch
 
 from drafters.draft_model import SamplingDrafter, chain_draft
 from drafters.tree_drafting import grow_trees
-from engine import tree
+from engine.utils import tree
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
 from engine.spec_decode.drafter import Draft, DraftSlot
-from engine.transfer import to_device
+from engine.utils.transfer import to_device
 
 
 class EarlyExitDrafter(SamplingDrafter):

@@ -1,6 +1,6 @@
 """Growing token trees with a model drafter, depth by depth, inside a template.
 
-The policy hands each slot a template (``DraftSlot.shape``, an ``engine.tree``
+The policy hands each slot a template (``DraftSlot.shape``, an ``engine.utils.tree``
 parent list chosen before drafting). The drafter runs one batched forward per
 depth over each request's tree so far and draws the children of every node of
 the deepest level at once; each node gets exactly the children its template
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.spec_decode.drafter import Draft, DraftSlot
-from engine import tree
+from engine.utils import tree
 
 
 @dataclass
@@ -108,7 +108,7 @@ def grow_trees(slots: list[DraftSlot], forward, distributions, generator, device
     after each node of that level (the root at depth 0); ``distributions(logits,
     requests, prefixes)`` -> (q, penalized logits), both [rows, vocab];
     ``generator(request)``: its torch.Generator or None."""
-    from engine.sampler import exponential_noise, plain_greedy
+    from engine.worker.sampler import exponential_noise, plain_greedy
 
     grows = [GrowingTree(s, template_of(s)) for s in slots]
     # The fast path is the round's, not a depth's: a depth where only plain greedy trees
