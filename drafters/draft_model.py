@@ -53,6 +53,24 @@ class SamplingDrafter(Drafter):
         self.device = device
         self.generators: dict[str, tuple[int, torch.Generator]] = {}  # id -> (committed length, its round's stream)
 
+    @torch.inference_mode()
+    def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
+        """Chains for slots without a shape (``_chains``, one forward per draft position),
+        trees for the rest (``grow_trees`` over ``_tree_forward``, one forward per depth)."""
+        slots = [s for s in slots if self._can_draft(s)]
+        trees = [s for s in slots if s.shape is not None and self._reserve_tree(s)]
+        out = self._chains([s for s in slots if s.shape is None])
+        if trees:
+            out.update(grow_trees(trees, self._tree_forward, self._distributions, self._generator, self.device))
+        return out
+
+    def _can_draft(self, slot: DraftSlot) -> bool:
+        return True
+
+    def _reserve_tree(self, slot: DraftSlot) -> bool:
+        """KV for every node the slot's tree may have (False: no blocks left, no tree)."""
+        return True
+
     def _sample(self, logits: torch.Tensor, requests: list[Request], drafts: dict[str, list[int]]):
         """logits [n, vocab], one row per request -> (q per request, one draft token per request).
 
@@ -125,14 +143,6 @@ class ModelDrafter(SamplingDrafter):
         self.cost_per_token = cost_per_token
         self.cached: dict[str, list[int]] = {}  # request id -> tokens whose KV is in the draft cache
         self.grown: dict[str, tuple[int, GrowingTree, int]] = {}  # id -> (L0, its tree this step, nodes fed)
-
-    @torch.inference_mode()
-    def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
-        trees = [s for s in slots if s.shape is not None and self._reserve_tree(s)]
-        out = self._chains([s for s in slots if s.shape is None])
-        if trees:
-            out.update(grow_trees(trees, self._tree_forward, self._distributions, self._generator, self.device))
-        return out
 
     def _reserve_tree(self, slot: DraftSlot) -> bool:
         """KV for the committed tokens and every node the slot's tree may have."""

@@ -36,7 +36,7 @@ import torch
 from engine.spec_decode.drafter import Draft, DraftSlot
 from drafters.draft_model import SamplingDrafter, chain_draft
 from drafters.eagle_head import EagleHead, load_eagle_head
-from drafters.tree_drafting import GrowingTree, grow_trees
+from drafters.tree_drafting import GrowingTree
 from engine.utils import tree
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
@@ -91,15 +91,8 @@ class EagleDrafter(SamplingDrafter):
         st = self.states.get(request.request_id)
         return 0 if st is not None and st.pending else None  # nothing to draft from before the first features
 
-    @torch.inference_mode()
-    def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
-        live = [s for s in slots if s.num_draft_tokens > 0 and self._has_pending(s.request.request_id)]
-        trees = [s for s in live if s.shape is not None and self._reserve_tree(s)]
-        out = self._chains([s for s in live if s.shape is None])
-        if trees:
-            self.outputs.clear()
-            out.update(grow_trees(trees, self._tree_forward, self._distributions, self._generator, self.device))
-        return out
+    def _can_draft(self, slot: DraftSlot) -> bool:
+        return slot.num_draft_tokens > 0 and self._has_pending(slot.request.request_id)
 
     def _reserve_tree(self, slot: DraftSlot) -> bool:
         """KV for the pending pairs and every node the slot's tree may have."""
@@ -112,6 +105,7 @@ class EagleDrafter(SamplingDrafter):
         head pass over the pending pairs (depth 0) or over the tree so far."""
         live = [g.slot for g in trees]
         if depth == 0:
+            self.outputs.clear()  # the last round's
             feeds = self._feeds(live, None, None)
             last = self._forward(live, feeds)  # [n, H]
             self._ingested(live, feeds)

@@ -22,7 +22,6 @@ the last committed token and the tree so far, node ``i`` in the slot of offset
 import torch
 
 from drafters.draft_model import SamplingDrafter, chain_draft
-from drafters.tree_drafting import grow_trees
 from engine.utils import tree
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
@@ -36,14 +35,6 @@ class EarlyExitDrafter(SamplingDrafter):
         self.model, self.target_kv, self.num_layers, self.block_size = target, kv, num_layers, block_size
         self.build_metadata = attention.build_metadata  # the target's backend (``cpu``: one C call a layer)
         self.cost_per_token = _cost_per_token(target, num_layers)
-
-    @torch.inference_mode()
-    def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
-        trees = [s for s in slots if s.shape is not None]
-        out = self._chains([s for s in slots if s.shape is None])
-        if trees:
-            out.update(grow_trees(trees, self._tree_forward, self._distributions, self._generator, self.device))
-        return out
 
     def _tree_forward(self, trees, depth: int) -> list[torch.Tensor]:
         """Logits after each node of ``depth - 1`` (the root at 0) of every tree: one
