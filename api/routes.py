@@ -45,7 +45,7 @@ _GENERATION_ERRORS = error_responses(400, 401, 404, 413, 500, 503, 504)
 class HealthStatus(BaseModel):
     status: str
     device: str  # where the engine runs, e.g. cuda:0 or cpu
-    device_reason: str  # why: --device auto says what it found (engine.devices)
+    device_reason: str  # why: --device auto says what it found (engine.utils.devices)
     attention_backend: str
 
 

@@ -36,7 +36,7 @@ import torch
 
 from bench.common import markdown_table, write_report
 from engine.attention import SeqSpec, build_attention_metadata, paged_attention
-from engine import tree
+from engine.utils import tree
 from engine.attention.metadata import ListedQueries
 from engine.layers import cpu_kernels
 

@@ -153,7 +153,7 @@ def tokens_per_s(engine, batch: int, max_tokens: int) -> float:
 
 
 def throughput(args) -> str:
-    from engine.model_store import default_model_dir
+    from engine.worker.model_store import default_model_dir
 
     rows = []
     tiny = tiny_model(args.device, args.dtype)
@@ -169,7 +169,7 @@ def throughput(args) -> str:
 
     for name in runnable_backends(args.device, args.dtype):
         dtype_name = str(args.dtype).removeprefix("torch.")
-        config = EngineConfig(  # on CUDA, KV blocks from a profiled --gpu-memory-utilization (engine.gpu_memory)
+        config = EngineConfig(  # on CUDA, KV blocks from a profiled --gpu-memory-utilization (engine.worker.gpu_memory)
             ModelConfig(model=str(path), device=str(args.device), dtype=dtype_name, attention_backend=name, max_model_len=1024),
             CacheConfig(gpu_memory_utilization=0.3, memory_bytes=1 << 28), SchedulerConfig(max_num_batched_tokens=512),
         )

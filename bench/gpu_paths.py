@@ -37,7 +37,7 @@ def save_checkpoint(out: Path, **overrides) -> Path:
 def llama3_rope(args, tmp: Path) -> str:
     from engine.attention import SeqSpec
     from engine.attention.backends import select_backend
-    from engine.loader import load_model
+    from engine.worker.loader import load_model
     from kvcache.tensors import KVSpec, PagedKV
 
     path = save_checkpoint(tmp / "llama3", rope_scaling=LLAMA3_ROPE)

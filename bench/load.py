@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     methods = args.methods.split(",")
     from transformers import AutoTokenizer
 
-    from engine.model_store import fetch_default_model
+    from engine.worker.model_store import fetch_default_model
 
     tokenizer = AutoTokenizer.from_pretrained(fetch_default_model())
     jobs = make_plan(args.requests, args.seed, args.max_tokens)

@@ -38,7 +38,7 @@ def build(path: Path, kind: str, args) -> Path:
 
     import transformers
 
-    from engine.model_store import fetch_default_model
+    from engine.worker.model_store import fetch_default_model
 
     if kind == "moe":
         config = transformers.MixtralConfig(**shapes(args), intermediate_size=args.expert_size, num_local_experts=8,

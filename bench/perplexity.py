@@ -72,8 +72,8 @@ def perplexity(logprobs: list[float]) -> float:
 def measure(tokens: int, peers: Path) -> dict[str, float]:
     """Perplexity by model: "Q4_1 (ours)", with a bfloat16 KV cache, "float32 (ours)" and, where installed,
     "Q4_1 (llama.cpp)"."""
-    from engine.loader import load_tokenizer
-    from engine.model_store import fetch_default_gguf
+    from engine.worker.loader import load_tokenizer
+    from engine.worker.model_store import fetch_default_gguf
 
     gguf = fetch_default_gguf()
     ids = text_ids(load_tokenizer(gguf), tokens)

@@ -18,10 +18,10 @@ import time
 import torch
 
 from bench.common import RESULTS, markdown_table, write_report
-from engine.gguf_file import checkpoint_tensors
+from engine.worker.gguf_file import checkpoint_tensors
 from engine.layers import cpu_kernels, quant
-from engine.loader import load_config
-from engine.model_store import fetch_default_gguf
+from engine.worker.loader import load_config
+from engine.worker.model_store import fetch_default_gguf
 
 ROWS = [1, 2, 4, 8, 16, 32, 64]
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")

@@ -19,7 +19,7 @@ is caught up when its turn comes.
 
 from dataclasses import dataclass
 
-from engine import tree
+from engine.utils import tree
 from engine.spec_decode.drafter import Draft, Drafter, DraftSlot
 from drafters.eagle import EagleDrafter, eagle_factory, memory_needs  # noqa: F401 - the head's, for the registry
 from drafters.ngram import NgramDrafter

@@ -14,34 +14,28 @@ Cache contents after drafting ``d_1 .. d_k`` over ``L0`` committed tokens: the
 keeps the longest prefix of that which the target committed and rolls back
 the rest.
 
-A token tree (``drafters.tree_drafting``) is grown one depth per forward; node
-``i`` (of every level but the deepest, which is never fed) sits at offset
-``L0 + i``. ``commit`` first moves the accepted path's entries to ``L0, L0 + 1,
-...`` (``kvcache.tensors.move_slots``), as the target's runner does, then rolls
-back as for a chain.
+Chains and token trees grow alike (``drafters.tree_drafting``; a chain is a tree of
+width 1), one depth per forward; node ``i`` (of every level but the deepest, which
+is never fed) sits at offset ``L0 + i``. After a tree, ``commit`` first moves the
+accepted path's entries to ``L0, L0 + 1, ...`` (``kvcache.tensors.move_slots``), as
+the target's runner does, then rolls back as for a chain.
 """
 
-import numpy as np
 import torch
 
-from drafters.tree_drafting import GrowingTree, grow_trees
-from engine import tree
+from drafters.tree_drafting import GrowingTree, grow_trees, template_of
+from engine.utils import tree
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
-from engine.gpu_memory import DrafterMemory
+from engine.worker.gpu_memory import DrafterMemory
 from engine.models.decoder import head_dim_of
-from engine.request import Request
-from engine.sampler import build_sampling_batch, mask_logits, penalized_logits, processed_probs, sample_with_probs
+from engine.core.request import Request
+from engine.worker.sampler import build_sampling_batch, mask_logits, penalized_logits, processed_probs
 from engine.spec_decode.drafter import Draft, Drafter, DraftSlot
-from engine.transfer import to_device
+from engine.utils.transfer import to_device
 from kvcache import KVCacheManager
 from kvcache.manager import slot_mapping
 from kvcache.tensors import KVSpec, PagedKV, move_slots
-
-
-def chain_draft(tokens: list[int], qs: list[torch.Tensor | None]) -> Draft:
-    """A chain from ``_sample``'s tokens and q's (None throughout for a greedy request)."""
-    return Draft(tokens, None if qs[0] is None else torch.stack(qs))
 
 
 class SamplingDrafter(Drafter):
@@ -53,23 +47,19 @@ class SamplingDrafter(Drafter):
         self.device = device
         self.generators: dict[str, tuple[int, torch.Generator]] = {}  # id -> (committed length, its round's stream)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], drafts: dict[str, list[int]]):
-        """logits [n, vocab], one row per request -> (q per request, one draft token per request).
+    @torch.inference_mode()
+    def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
+        """A tree per slot, a chain where the slot has no shape (``grow_trees`` over
+        ``_tree_forward``: one forward per depth)."""
+        live = [s for s in slots if s.num_draft_tokens > 0 and self._can_draft(s) and self._reserve_tree(s)]
+        return grow_trees(live, self._tree_forward, self._distributions, self._generator, self.device) if live else {}
 
-        q [vocab] is processed with each request's own settings, its earlier drafts in the
-        context, over the tokens its grammar allows after them (if it has one). A greedy
-        request gets None: its draft is the argmax, q one-hot there, and verification
-        compares argmaxes only (an all-greedy batch so draws no noise and builds no q).
-        """
-        batch = build_sampling_batch(
-            requests,
-            logits.shape[-1],
-            self.device,
-            [self._generator(r) for r in requests],
-            [tuple(drafts[r.request_id]) for r in requests],
-        )
-        tokens, q = sample_with_probs(mask_logits(logits, requests, [drafts[r.request_id] for r in requests]), batch)
-        return [None if q is None or r.params.greedy else q[i] for i, r in enumerate(requests)], tokens.tolist()
+    def _can_draft(self, slot: DraftSlot) -> bool:
+        return True
+
+    def _reserve_tree(self, slot: DraftSlot) -> bool:
+        """KV for every node the slot's tree may have (False: no blocks left, no draft)."""
+        return True
 
     def _distributions(self, logits: torch.Tensor, requests: list[Request], prefixes: list[tuple[int, ...]]):
         """(q, penalized logits) [n, vocab] of each row, after the drafts ``prefixes[i]``."""
@@ -126,82 +116,38 @@ class ModelDrafter(SamplingDrafter):
         self.cached: dict[str, list[int]] = {}  # request id -> tokens whose KV is in the draft cache
         self.grown: dict[str, tuple[int, GrowingTree, int]] = {}  # id -> (L0, its tree this step, nodes fed)
 
-    @torch.inference_mode()
-    def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
-        trees = [s for s in slots if s.shape is not None and self._reserve_tree(s)]
-        out = self._chains([s for s in slots if s.shape is None])
-        if trees:
-            out.update(grow_trees(trees, self._tree_forward, self._distributions, self._generator, self.device))
-        return out
-
     def _reserve_tree(self, slot: DraftSlot) -> bool:
         """KV for the committed tokens and every node the slot's tree may have."""
         self._cached(slot.request)
-        nodes = min(len(slot.shape), slot.num_draft_tokens)
-        return self.kv.allocate_slots(slot.request.request_id, slot.request.num_tokens + nodes)
+        return self.kv.allocate_slots(slot.request.request_id, slot.request.num_tokens + len(template_of(slot)))
 
     def _tree_forward(self, trees: list[GrowingTree], depth: int) -> list[torch.Tensor]:
         """Logits after each node of ``depth - 1`` (the root at 0) of every tree: one
-        forward over the committed tokens not yet cached (at depth 0) and the tree so far."""
+        forward over the committed tokens not yet cached (at depth 0) and the tree's nodes
+        not in the cache (``GrowingTree.unfed``: node ``i`` sits at offset ``L0 + i``)."""
         specs, ids, positions, rows, start = [], [], [], [], 0
         for g in trees:
             rid, tokens = g.slot.request.request_id, g.slot.request.token_ids
             cached = self._cached(g.slot.request)
             feed = tokens[len(cached) :]  # empty past depth 0
-            fed = tree.with_prefix(len(feed), g.parents) if feed else tuple(g.parents)
-            specs.append(SeqSpec(len(cached), len(fed), self.kv.block_table(rid), None if tree.is_chain(fed) else fed))
-            ids.extend(feed + g.token_ids)
-            positions.extend((len(cached) + tree.depths(fed)).tolist())
-            rows.append([start + len(feed) + n for n in g.level(depth)])
+            first, nodes = g.unfed() or (0, tuple(g.parents))
+            fed = tree.with_prefix(len(feed), nodes) if feed else nodes
+            specs.append(SeqSpec(len(cached) + first, len(fed), self.kv.block_table(rid),
+                                 None if tree.is_chain(fed) else fed))
+            ids.extend(feed + g.token_ids[first:])
+            positions.extend((len(cached) + first + tree.depths(fed)).tolist())
+            rows.append([start + len(feed) + n - first for n in g.level(depth)])
             start += len(fed)
             cached.extend(feed)
+            g.num_fed = len(g.parents)
             self.grown[rid] = (len(tokens), g, len(g.parents))
         t = lambda a: to_device(a, self.device, torch.long)  # noqa: E731
         meta = self.build_metadata(specs, self.block_size, self.device)
         hidden = self._hidden(t(ids), t(positions), meta)  # [T, hidden]
         return [self._logits(hidden[t(r)]) for r in rows]
 
-    def _chains(self, slots: list[DraftSlot]) -> dict[str, Draft]:
-        live = [s for s in slots if s.num_draft_tokens > 0]
-        feeds = {s.request.request_id: s.request.token_ids[len(self._cached(s.request)) :] for s in live}
-        drafts: dict[str, list[int]] = {s.request.request_id: [] for s in live}
-        probs: dict[str, list[torch.Tensor | None]] = {s.request.request_id: [] for s in live}
-        for step in range(max((s.num_draft_tokens for s in live), default=0)):
-            live = [s for s in live if len(drafts[s.request.request_id]) < s.num_draft_tokens]
-            live = [s for s in live if self._reserve(s.request, feeds[s.request.request_id])]
-            if not live:
-                break
-            q, tokens = self._draft_step(live, feeds, drafts)
-            for i, s in enumerate(live):
-                rid = s.request.request_id
-                self.cached[rid].extend(feeds[rid])
-                drafts[rid].append(tokens[i])
-                probs[rid].append(q[i])
-                feeds[rid] = [tokens[i]]
-        return {rid: chain_draft(toks, probs[rid]) for rid, toks in drafts.items() if toks}
-
     def _cached(self, request: Request) -> list[int]:
         return self.cached.setdefault(request.request_id, [])
-
-    def _reserve(self, request: Request, feed: list[int]) -> bool:
-        rid = request.request_id
-        return self.kv.allocate_slots(rid, len(self.cached[rid]) + len(feed))
-
-    def _draft_step(self, live: list[DraftSlot], feeds, drafts):
-        """One batched forward of the draft model; ``_sample``'s q and token per request."""
-        specs, ids, positions = [], [], []
-        for s in live:
-            rid = s.request.request_id
-            start, feed = len(self.cached[rid]), feeds[rid]
-            specs.append(SeqSpec(start, len(feed), self.kv.block_table(rid)))
-            ids.extend(feed)
-            positions.extend(range(start, start + len(feed)))
-        meta = self.build_metadata(specs, self.block_size, self.device)
-        t = lambda a: to_device(a, self.device, torch.long)  # noqa: E731
-        hidden = self._hidden(t(ids), t(positions), meta)
-        last = np.cumsum([sp.query_len for sp in specs]) - 1
-        logits = self._logits(hidden[t(last)])  # [n, vocab]
-        return self._sample(logits, [s.request for s in live], drafts)
 
     def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """ids, positions [T] -> the draft's hidden states [T, hidden]."""
@@ -260,8 +206,8 @@ class ModelDrafter(SamplingDrafter):
 def build(spec, *, target, tokenizer, num_blocks, block_size, dtype, device, attention=TORCH, kv_dtype=None,
           target_path: str = "the target", **_) -> ModelDrafter:
     """A separate, smaller model that shares the target's tokenizer (of any family)."""
-    from engine.loader import load_model, load_tokenizer
-    from engine.model_store import resolve_model
+    from engine.worker.loader import load_model, load_tokenizer
+    from engine.worker.model_store import resolve_model
 
     if not spec.model:
         raise ValueError('speculative method "draft_model" needs "model": a local directory or GGUF file')
@@ -276,8 +222,8 @@ def build(spec, *, target, tokenizer, num_blocks, block_size, dtype, device, att
 
 def memory_needs(spec, *, dtype, block_size, kv_dtype=None, **_) -> DrafterMemory:
     """The draft model's weights and KV bytes per block, for the GPU memory budget."""
-    from engine.loader import load_config, weight_bytes
-    from engine.model_store import resolve_model
+    from engine.worker.loader import load_config, weight_bytes
+    from engine.worker.model_store import resolve_model
 
     cfg = load_config(resolve_model(spec.model))
     kv = KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), block_size, kv_dtype or dtype)

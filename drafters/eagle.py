@@ -8,19 +8,17 @@ sequence is ``(feature f_p, token t_{p+1})``; after a round that committed
 ``L - 2`` are known (the last one is new each round: its token is the round's
 correction or bonus token).
 
-Each step ``propose`` first feeds the pending pairs, batched over the requests,
-and drafts ``d_1`` from the last one's output; then each further draft feeds
-``(the head's own output, d_j)``, the head's stand-in for the feature the target
-has not computed. Cache after drafting: the known pairs, then ``k - 1`` guessed
-ones. ``commit`` rolls the guessed ones back (``KVCacheManager.truncate``, as
-``draft_model`` does): the target's real features replace them next round.
-
-A token tree (``drafters.tree_drafting``) grows one depth per head pass: depth 0
-feeds the pending pairs as above, and each later depth feeds the whole tree so far
-(tree attention over the known pairs and each node's ancestors, node at head
-position ``num_cached + its depth``), each node paired with its parent's output
-(the last known pair's for the first level). Every guessed pair is rolled back
-after the round, as for a chain, so the accepted branch needs no KV move.
+Chains and token trees grow alike (``drafters.tree_drafting``; a chain is a tree of
+width 1), one depth per head pass. Depth 0 feeds the pending pairs, batched over
+the requests, and draws the first level from the last one's output; each later
+depth feeds ``(the parent's output, the node's token)`` for the tree's nodes, the
+head's stand-in for the feature the target has not computed: the whole tree so
+far (tree attention over the known pairs and each node's ancestors, node at head
+position ``num_cached + its depth``), or while it is a chain its newest node only.
+Cache after drafting a chain: the known pairs, then ``k - 1`` guessed ones.
+``commit`` rolls every guessed pair back (``KVCacheManager.truncate``): the
+target's real features replace them next round, so an accepted branch needs no
+KV move.
 
 A request whose features start after a gap (its prefix came from the prefix cache,
 or the drafter dropped it after a failure) starts the head's sequence afresh there:
@@ -33,16 +31,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.spec_decode.drafter import Draft, DraftSlot
-from drafters.draft_model import SamplingDrafter, chain_draft
+from engine.spec_decode.drafter import DraftSlot
+from drafters.draft_model import SamplingDrafter
 from drafters.eagle_head import EagleHead, load_eagle_head
-from drafters.tree_drafting import GrowingTree, grow_trees
-from engine import tree
+from drafters.tree_drafting import GrowingTree, template_of
+from engine.utils import tree
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
-from engine.gpu_memory import DrafterMemory
-from engine.sampler import plain_greedy
-from engine.transfer import to_device
+from engine.worker.gpu_memory import DrafterMemory
+from engine.utils.transfer import to_device
 from kvcache import KVCacheManager
 from kvcache.tensors import KVSpec, PagedKV
 
@@ -91,98 +88,62 @@ class EagleDrafter(SamplingDrafter):
         st = self.states.get(request.request_id)
         return 0 if st is not None and st.pending else None  # nothing to draft from before the first features
 
-    @torch.inference_mode()
-    def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
-        live = [s for s in slots if s.num_draft_tokens > 0 and self._has_pending(s.request.request_id)]
-        trees = [s for s in live if s.shape is not None and self._reserve_tree(s)]
-        out = self._chains([s for s in live if s.shape is None])
-        if trees:
-            self.outputs.clear()
-            out.update(grow_trees(trees, self._tree_forward, self._distributions, self._generator, self.device))
-        return out
+    def _can_draft(self, slot: DraftSlot) -> bool:
+        return slot.num_draft_tokens > 0 and self._has_pending(slot.request.request_id)
 
     def _reserve_tree(self, slot: DraftSlot) -> bool:
         """KV for the pending pairs and every node the slot's tree may have."""
         st = self.states[slot.request.request_id]
-        nodes = min(len(slot.shape), slot.num_draft_tokens)
-        return self.kv.allocate_slots(slot.request.request_id, st.num_cached + st.num_pending + nodes)
+        return self.kv.allocate_slots(slot.request.request_id, st.num_cached + st.num_pending + len(template_of(slot)))
 
     def _tree_forward(self, trees: list[GrowingTree], depth: int) -> list[torch.Tensor]:
         """Draft logits after each node of ``depth - 1`` (the root at 0) of every tree: one
-        head pass over the pending pairs (depth 0) or over the tree so far."""
+        head pass over the pending pairs (depth 0), then over the tree so far (while it is a
+        chain, over its nodes not in the cache: ``GrowingTree.unfed``)."""
         live = [g.slot for g in trees]
         if depth == 0:
-            feeds = self._feeds(live, None, None)
+            self.outputs.clear()  # the last round's
+            feeds = self._feeds(live)
             last = self._forward(live, feeds)  # [n, H]
             self._ingested(live, feeds)
             for g, row in zip(trees, last):
                 self.outputs[g.slot.request.request_id] = [row]
             return list(self.head.draft_logits(last).split(1))
-        feeds, specs = [], []
+        feeds, specs, firsts = [], [], []
         for g in trees:
-            rid, parents = g.slot.request.request_id, tuple(g.parents)
+            rid = g.slot.request.request_id
+            first, nodes = g.unfed() or (0, tuple(g.parents))
             outs = self.outputs[rid]  # outs[0]: the root's; outs[1 + i]: node i's
-            hidden = torch.stack([outs[p + 1] for p in parents])  # [nodes, H]: each node's parent's output
-            pos = self.states[rid].num_cached
-            feeds.append((list(g.token_ids), hidden, pos))
-            specs.append(SeqSpec(pos, len(parents), self.kv.block_table(rid), None if tree.is_chain(parents) else parents))
-        out = self._forward_all(live, feeds, specs)  # [sum nodes, H]
+            hidden = torch.stack([outs[p + 1] for p in g.parents[first:]])  # [fed, H]: each node's parent's output
+            pos = self.states[rid].num_cached + first
+            feeds.append((list(g.token_ids[first:]), hidden, pos))
+            specs.append(SeqSpec(pos, len(nodes), self.kv.block_table(rid), None if tree.is_chain(nodes) else nodes))
+            firsts.append(first)
+            g.num_fed = len(g.parents)
+        out = self._forward_all(live, feeds, specs)  # [sum fed, H]
         logits, start = [], 0
-        for g, (ids, _, _) in zip(trees, feeds):
+        for g, (ids, _, _), first in zip(trees, feeds, firsts):
             rows = out[start : start + len(ids)]
-            self.outputs[g.slot.request.request_id][1:] = list(rows)
-            logits.append(self.head.draft_logits(rows[g.level(depth)]))
+            self.outputs[g.slot.request.request_id][1 + first :] = list(rows)
+            logits.append(self.head.draft_logits(rows[[n - first for n in g.level(depth)]]))
             start += len(ids)
         return logits
-
-    def _chains(self, live: list[DraftSlot]) -> dict[str, Draft]:
-        drafts: dict[str, list[int]] = {s.request.request_id: [] for s in live}
-        probs: dict[str, list[torch.Tensor | None]] = {s.request.request_id: [] for s in live}
-        hidden = None  # [n, H] the head's last output per live request
-        for step in range(max((s.num_draft_tokens for s in live), default=0)):
-            keep = [i for i, s in enumerate(live) if len(drafts[s.request.request_id]) < s.num_draft_tokens]
-            live, hidden = [live[i] for i in keep], None if hidden is None else hidden[keep]
-            feeds = self._feeds(live, drafts, hidden)
-            if not live or not self._reserve(live, feeds):
-                break
-            out = self._forward(live, feeds)  # [n, H]
-            if step == 0:
-                self._ingested(live, feeds)
-            requests = [s.request for s in live]
-            if all(plain_greedy(r.params) for r in requests):
-                q, tokens = [None] * len(live), self.head.draft_argmax(out).tolist()  # what _sample would give
-            else:
-                q, tokens = self._sample(self.head.draft_logits(out), requests, drafts)
-            for i, s in enumerate(live):
-                drafts[s.request.request_id].append(tokens[i])
-                probs[s.request.request_id].append(q[i])
-            hidden = out
-        return {rid: chain_draft(toks, probs[rid]) for rid, toks in drafts.items() if toks}
 
     def _has_pending(self, rid: str) -> bool:
         st = self.states.get(rid)
         return st is not None and bool(st.pending)
 
-    def _feeds(self, live: list[DraftSlot], drafts, hidden) -> list[tuple[list[int], torch.Tensor, int]]:
-        """Per live request: (token ids, hidden [n, H], head position of the first). Step 0
-        feeds the pending pairs (target features, fused); later steps one guessed pair."""
+    def _feeds(self, live: list[DraftSlot]) -> list[tuple[list[int], torch.Tensor, int]]:
+        """Per live request its pending pairs: (token ids, fused features [n, H], head position
+        of the first)."""
         feeds = []
-        for i, s in enumerate(live):
-            rid, st = s.request.request_id, self.states[s.request.request_id]
-            ids = s.request.token_ids
-            if hidden is None:
-                first = st.base + st.num_cached  # target position of the first pending feature
-                tokens = list(ids[first + 1 : first + 1 + st.num_pending])
-                feats = torch.cat(st.pending)[: len(tokens)]  # [n, F]
-                feeds.append((tokens, self.head.fuse(feats), st.num_cached))
-            else:
-                d = drafts[rid]
-                feeds.append(([d[-1]], hidden[i : i + 1], st.num_cached + len(d) - 1))
+        for s in live:
+            st, ids = self.states[s.request.request_id], s.request.token_ids
+            first = st.base + st.num_cached  # target position of the first pending feature
+            tokens = list(ids[first + 1 : first + 1 + st.num_pending])
+            feats = torch.cat(st.pending)[: len(tokens)]  # [n, F]
+            feeds.append((tokens, self.head.fuse(feats), st.num_cached))
         return feeds
-
-    def _reserve(self, live, feeds) -> bool:
-        """KV slots for every feed; False (draft no further) when the pool is out of blocks."""
-        return all(self.kv.allocate_slots(s.request.request_id, pos + len(ids)) for s, (ids, _, pos) in zip(live, feeds))
 
     def _ingested(self, live, feeds) -> None:
         """The pending pairs are in the head's cache now, for good."""
@@ -224,7 +185,7 @@ class EagleDrafter(SamplingDrafter):
 def memory_needs(spec, *, dtype, block_size, kv_dtype=None, **_) -> DrafterMemory:
     """The head's weights and KV bytes per block, for the GPU memory budget."""
     from drafters.eagle_head import head_memory
-    from engine.model_store import resolve_model
+    from engine.worker.model_store import resolve_model
 
     return DrafterMemory(*head_memory(resolve_model(spec.model), dtype, block_size, kv_dtype))
 
@@ -232,7 +193,7 @@ def memory_needs(spec, *, dtype, block_size, kv_dtype=None, **_) -> DrafterMemor
 def eagle_factory(kind: str):
     def factory(spec, *, target, num_blocks, block_size, dtype, device, attention=TORCH, kv_dtype=None,
                 **_) -> EagleDrafter:
-        from engine.model_store import resolve_model
+        from engine.worker.model_store import resolve_model
 
         if not spec.model:
             raise ValueError(f'speculative method "{kind}" needs "model": a local directory with an {kind} head')

@@ -14,20 +14,19 @@ Verification overwrites every entry the drafter wrote, so nothing of drafting
 survives a round: there is nothing to roll back, and nothing to catch up on
 after the speculation policy paused drafting.
 
-A token tree (``drafters.tree_drafting``) is grown one depth per forward over
-the last committed token and the tree so far, node ``i`` in the slot of offset
-``1 + i`` at position ``len - 1 + 1 + depth``, as verification will write it.
+Chains and token trees grow alike (``drafters.tree_drafting``; a chain is a tree of
+width 1), one depth per forward over the last committed token and the tree so far
+(a chain: its newest node), node ``i`` in the slot of offset ``1 + i`` at position
+``len - 1 + 1 + depth``, as verification will write it.
 """
 
 import torch
 
-from drafters.draft_model import SamplingDrafter, chain_draft
-from drafters.tree_drafting import grow_trees
-from engine import tree
+from drafters.draft_model import SamplingDrafter
+from engine.utils import tree
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
-from engine.spec_decode.drafter import Draft, DraftSlot
-from engine.transfer import to_device
+from engine.utils.transfer import to_device
 
 
 class EarlyExitDrafter(SamplingDrafter):
@@ -37,48 +36,29 @@ class EarlyExitDrafter(SamplingDrafter):
         self.build_metadata = attention.build_metadata  # the target's backend (``cpu``: one C call a layer)
         self.cost_per_token = _cost_per_token(target, num_layers)
 
-    @torch.inference_mode()
-    def propose(self, slots: list[DraftSlot]) -> dict[str, Draft]:
-        trees = [s for s in slots if s.shape is not None]
-        out = self._chains([s for s in slots if s.shape is None])
-        if trees:
-            out.update(grow_trees(trees, self._tree_forward, self._distributions, self._generator, self.device))
-        return out
-
     def _tree_forward(self, trees, depth: int) -> list[torch.Tensor]:
         """Logits after each node of ``depth - 1`` (the root at 0) of every tree: one
-        forward over each request's last committed token and its tree so far."""
+        forward over each request's last committed token and its tree so far, or, past
+        depth 0 while the tree is a chain, its nodes not in the cache (``GrowingTree.unfed``)."""
         specs, ids, positions, rows, start = [], [], [], [], 0
         for g in trees:
-            fed = tree.with_prefix(1, g.parents)  # [t_last, nodes...]
-            base = len(g.slot.request.token_ids) - 1
-            specs.append(SeqSpec(base, len(fed), list(g.slot.block_table), fed if g.parents else None))
-            ids.extend([g.slot.request.token_ids[-1]] + g.token_ids)
+            tokens, unfed = g.slot.request.token_ids, g.unfed() if depth else None
+            if unfed is None:  # [t_last, nodes...]
+                fed, first, base = tree.with_prefix(1, g.parents), 0, len(tokens) - 1
+                mask = fed if g.parents else None
+            else:  # the newest nodes, after t_last and the ``first`` nodes in the cache
+                first, fed = unfed
+                base, mask = len(tokens) + first, None
+            specs.append(SeqSpec(base, len(fed), list(g.slot.block_table), mask))
+            ids.extend(([] if unfed else [tokens[-1]]) + g.token_ids[first:])
             positions.extend((base + tree.depths(fed)).tolist())
-            rows.append([start + 1 + n for n in g.level(depth)])
+            rows.append([start + (0 if unfed else 1) + n - first for n in g.level(depth)])
             start += len(fed)
+            g.num_fed = len(g.parents)
         t = lambda a: to_device(a, self.device, torch.long)  # noqa: E731
         meta = self.build_metadata(specs, self.block_size, self.device)
         hidden = self.model(t(ids), t(positions), meta, self.target_kv, num_layers=self.num_layers)  # [T, hidden]
         return [self.model.compute_logits(hidden[t(r)]) for r in rows]
-
-    def _chains(self, slots: list[DraftSlot]) -> dict[str, Draft]:
-        t = lambda a: to_device(a, self.device, torch.long)  # noqa: E731
-        drafts: dict[str, list[int]] = {s.request.request_id: [] for s in slots}
-        probs: dict[str, list[torch.Tensor | None]] = {s.request.request_id: [] for s in slots}
-        for step in range(max((s.num_draft_tokens for s in slots), default=0)):
-            live = [s for s in slots if step < s.num_draft_tokens]
-            fed = [drafts[s.request.request_id][-1] if step else s.request.token_ids[-1] for s in live]
-            pos = [len(s.request.token_ids) - 1 + step for s in live]
-            meta = self.build_metadata(
-                [SeqSpec(p, 1, list(s.block_table)) for s, p in zip(live, pos)], self.block_size, self.device
-            )
-            hidden = self.model(t(fed), t(pos), meta, self.target_kv, num_layers=self.num_layers)  # [n, hidden]
-            q, tokens = self._sample(self.model.compute_logits(hidden), [s.request for s in live], drafts)
-            for i, s in enumerate(live):
-                drafts[s.request.request_id].append(tokens[i])
-                probs[s.request.request_id].append(q[i])
-        return {rid: chain_draft(toks, probs[rid]) for rid, toks in drafts.items() if toks}
 
 
 def _cost_per_token(target, num_layers: int) -> float:

@@ -24,7 +24,7 @@ many children as the shape allows at its depth. Example, suffix "b"::
             x - y
 """
 
-from engine import tree
+from engine.utils import tree
 from engine.spec_decode.drafter import Draft, Drafter, DraftSlot
 
 MAX_STARTS = 8  # most recent starts kept per n-gram

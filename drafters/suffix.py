@@ -30,7 +30,7 @@ from collections import deque
 from pathlib import Path
 
 from engine.layers.cpu_kernels import compile_library, compiler
-from engine import tree
+from engine.utils import tree
 from engine.spec_decode.drafter import Draft, Drafter, DraftSlot
 
 SOURCE = Path(__file__).with_name("suffix_tree.c")

@@ -1,10 +1,11 @@
 """Growing token trees with a model drafter, depth by depth, inside a template.
 
-The policy hands each slot a template (``DraftSlot.shape``, an ``engine.tree``
-parent list chosen before drafting). The drafter runs one batched forward per
-depth over each request's tree so far and draws the children of every node of
-the deepest level at once; each node gets exactly the children its template
-node has, as many as can be drawn.
+The policy hands each slot a template (``DraftSlot.shape``, an ``engine.utils.tree``
+parent list chosen before drafting; a slot without one drafts a chain, a tree of
+width 1). The drafter runs one batched forward per depth over each request's
+tree so far (while it is a chain, over its newest node only: the others are in
+the cache) and draws the children of every node of the deepest level at once;
+each node gets exactly the children its template node has, as many as can be drawn.
 
 How children are drawn, so that verification (``engine.spec_decode.tree_sampler``) is exact:
 
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.spec_decode.drafter import Draft, DraftSlot
-from engine import tree
+from engine.utils import tree
 
 
 @dataclass
@@ -46,6 +47,7 @@ class GrowingTree:
     parents: list[int] = field(default_factory=list)
     probs: list[torch.Tensor | None] = field(default_factory=list)  # [vocab] q_i per node; None: greedy (one-hot)
     of_template: list[int] = field(default_factory=list)  # template node of each node
+    num_fed: int = 0  # nodes a forward has fed (their KV written), set by the forward
 
     def level(self, depth: int) -> list[int]:
         """The nodes at ``depth - 1`` whose children are drawn at ``depth`` (-1: the root)."""
@@ -67,6 +69,15 @@ class GrowingTree:
         self.parents.append(parent)
         self.probs.append(q)
 
+    def unfed(self) -> tuple[int, tuple[int, ...]] | None:
+        """While the tree is a chain: (first, parents) of the nodes not yet fed, ``first`` on,
+        their parents counted from there (the fed nodes, every new node's ancestors, are read
+        from the cache). None once it branches: a forward feeds the whole tree, under its mask."""
+        parents = tuple(self.parents)
+        if not tree.is_chain(parents):
+            return None
+        return self.num_fed, tree.chain(len(parents) - self.num_fed)
+
     def draft(self) -> Draft | None:
         if not self.token_ids:
             return None
@@ -77,8 +88,9 @@ class GrowingTree:
 
 
 def template_of(slot: DraftSlot) -> tuple[int, ...]:
-    """The slot's template in depth order (as drafting grows it), cut to its node budget."""
-    shape = slot.shape[: slot.num_draft_tokens]
+    """The slot's template in depth order (as drafting grows it), cut to its node budget; a
+    slot without a shape drafts a chain, a tree of width 1."""
+    shape = (slot.shape if slot.shape is not None else tree.chain(slot.num_draft_tokens))[: slot.num_draft_tokens]
     d = tree.depths(shape)
     order = sorted(range(len(shape)), key=lambda i: (d[i], i))
     new = {old: i for i, old in enumerate(order)}
@@ -108,7 +120,7 @@ def grow_trees(slots: list[DraftSlot], forward, distributions, generator, device
     after each node of that level (the root at depth 0); ``distributions(logits,
     requests, prefixes)`` -> (q, penalized logits), both [rows, vocab];
     ``generator(request)``: its torch.Generator or None."""
-    from engine.sampler import exponential_noise, plain_greedy
+    from engine.worker.sampler import exponential_noise, plain_greedy
 
     grows = [GrowingTree(s, template_of(s)) for s in slots]
     # The fast path is the round's, not a depth's: a depth where only plain greedy trees

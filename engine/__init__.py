@@ -1,7 +1,10 @@
-"""The specserve engine: scheduler, runner, sampler, model definitions.
+"""The specserve engine. At its root the public surface (``LLMEngine``, ``AsyncEngine``, ``LLM``,
+their configuration, parameters and outputs); beneath it ``core`` (requests, scheduler),
+``worker`` (runner, sampler, loader), ``spec_decode``, ``attention``, ``models``, ``layers``,
+``distributed`` and ``utils``.
 
 The names below load on first use (PEP 562), so that the modules that need no torch
-(``engine.scheduler``, ``engine.request``, ``engine.sampling_params``, ``engine.config``,
+(``engine.core.scheduler``, ``engine.core.request``, ``engine.sampling_params``, ``engine.config``,
 the speculation policies, ``kvcache``) import without it.
 """
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.stats import EngineSnapshot
+from engine.core.stats import EngineSnapshot
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16)."""
-    from engine.devices import cpu_flags
+    from engine.utils.devices import cpu_flags
 
     return " avx512_bf16" in cpu_flags()
 
@@ -28,16 +28,16 @@ class ModelConfig:
     num_threads: int | None = None  # CPU threads for torch; None: every core
     attention_backend: str = "auto"  # auto | torch | cpu | torch_varlen | flash_attn (engine.attention.backends)
     # Weights: auto (a GGUF file in its own block formats, a float checkpoint as it is), none
-    # (everything in dtype), int8 | int4 (a float checkpoint quantized at load); engine.loader
+    # (everything in dtype), int8 | int4 (a float checkpoint quantized at load); engine.worker.loader
     quantization: str = "auto"
-    enforce_eager: bool = False  # no CUDA graphs (engine.cuda_graphs); the CPU never uses them
+    enforce_eager: bool = False  # no CUDA graphs (engine.worker.cuda_graphs); the CPU never uses them
 
     def __post_init__(self):
         check_quantization(self.quantization)
 
     def torch_device(self) -> torch.device:
-        """The device (``engine.devices.choose_device``: ValueError when CUDA is asked for and unusable)."""
-        from engine.devices import choose_device
+        """The device (``engine.utils.devices.choose_device``: ValueError when CUDA is asked for and unusable)."""
+        from engine.utils.devices import choose_device
 
         return choose_device(self.device).device
 
@@ -78,7 +78,7 @@ class CacheConfig:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True  # share full blocks of verified tokens between requests (kvcache.manager)
     # CUDA: the fraction of the GPU's memory this engine may use; the KV cache gets what the
-    # weights and a profiled largest step leave of it (engine.gpu_memory). Replaces memory_bytes.
+    # weights and a profiled largest step leave of it (engine.worker.gpu_memory). Replaces memory_bytes.
     gpu_memory_utilization: float = 0.9
     # The KV cache's element type: auto (the model's dtype), or bfloat16 (keys and values rounded to
     # nearest even at the write, read back as the model's dtype: half the bytes per block).
@@ -228,7 +228,7 @@ class SpeculativeConfig:
     def _check_tree_depth(self, parents: tuple[int, ...]) -> None:
         """A round accepts at most ``num_speculative_tokens`` drafts: the policy's records and
         the metrics' per-position counts have that many places."""
-        from engine.tree import depths
+        from engine.utils.tree import depths
 
         depth = int(depths(parents).max()) + 1
         if depth > self.num_speculative_tokens:
@@ -242,8 +242,8 @@ class SpeculativeConfig:
         return self.tree_width > 1 or self.speculative_token_tree is not None
 
     def static_tree(self) -> tuple[int, ...] | None:
-        """The parent list of ``speculative_token_tree`` (engine.tree), or None."""
-        from engine.tree import parse_static_tree
+        """The parent list of ``speculative_token_tree`` (engine.utils.tree), or None."""
+        from engine.utils.tree import parse_static_tree
 
         literal = self.speculative_token_tree
         if literal is None:

@@ -19,25 +19,25 @@ import torch
 from engine.attention import select_backend
 from engine.attention.backends import flash_attn_status
 from engine.config import EngineConfig
-from engine.cuda_graphs import BucketedForward, bucket_limits, graph_pool_bytes, graphs_apply
-from engine.devices import choose_device
+from engine.worker.cuda_graphs import BucketedForward, bucket_limits, graph_pool_bytes, graphs_apply
+from engine.utils.devices import choose_device
 from engine.distributed import TensorParallelModel, load_target
-from engine.faults import FaultHook
-from engine.gpu_memory import DrafterMemory, num_kv_blocks
-from engine.loader import SAMPLING_DEFAULTS, load_config, load_generation_config, load_tokenizer
-from engine.model_store import resolve_model
+from engine.utils.faults import FaultHook
+from engine.worker.gpu_memory import DrafterMemory, num_kv_blocks
+from engine.worker.loader import SAMPLING_DEFAULTS, load_config, load_generation_config, load_tokenizer
+from engine.worker.model_store import resolve_model
 from engine.models.decoder import head_dim_of
 from engine.outputs import RequestOutput
-from engine.request import Request
-from engine.runner import ModelRunner
-from engine.sampler import grammar_bitmask
+from engine.core.request import Request
+from engine.worker.runner import ModelRunner
+from engine.worker.sampler import grammar_bitmask
 from engine.sampling_params import InvalidParameter, SamplingParams
-from engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from engine.core.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from engine.spec_decode.policy import StepPlan
 from engine.spec_decode.registry import check_speculative, drafter_memory
 from engine.spec_decode.speculator import build_speculator
-from engine.stats import EngineSnapshot, StepClock, make_step_stats
-from engine.stop import holdback
+from engine.core.stats import EngineSnapshot, StepClock, make_step_stats
+from engine.core.stop import holdback
 from kvcache import KVCacheManager, blocks_needed
 from kvcache.tensors import KVSpec, PagedKV
 
@@ -77,7 +77,7 @@ class LLMEngine:
         graphs = graphs_apply(config, model, attention.name, device)
         graph_bytes = graph_pool_bytes(model, attention.name, spec, self.max_model_len, device,
                                        *bucket_limits(config)) if graphs and not config.cache.num_blocks else 0
-        num_blocks = num_kv_blocks(config, spec, model, attention, device, self.max_model_len,  # GPU: engine.gpu_memory
+        num_blocks = num_kv_blocks(config, spec, model, attention, device, self.max_model_len,  # GPU: engine.worker.gpu_memory
                                    needs or DrafterMemory(), graph_bytes)
         if num_blocks < blocks_needed(self.max_model_len, spec.block_size):
             raise ValueError(
@@ -98,7 +98,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.eos_token_ids = eos_token_ids_of(hf_config, tokenizer, generation)
         self.stat_loggers: list = []  # callables taking each step's StepStats
-        self._grammars = None  # engine.grammar.Grammars, built at the first structured request
+        self._grammars = None  # engine.worker.grammar.Grammars, built at the first structured request
         _log_ready(model, num_blocks, spec, device, dtype, attention.name)
 
     def _load(self, config: EngineConfig, model, tokenizer, dtype, device) -> tuple:
@@ -153,11 +153,11 @@ class LLMEngine:
 
     @property
     def grammars(self):
-        """Compiled grammars of structured outputs (``engine.grammar``) for this vocabulary."""
+        """Compiled grammars of structured outputs (``engine.worker.grammar``) for this vocabulary."""
         if self._grammars is None:
             if self.tokenizer is None:
                 raise InvalidParameter("guided", "structured outputs need the model's tokenizer")
-            from engine.grammar import Grammars  # xgrammar loads only when a request needs it
+            from engine.worker.grammar import Grammars  # xgrammar loads only when a request needs it
 
             self._grammars = Grammars.from_tokenizer(self.tokenizer, self.model.config.vocab_size)
         return self._grammars
@@ -225,7 +225,7 @@ class LLMEngine:
         return self._outputs(touched)
 
     def set_fault_hook(self, hook: FaultHook | None) -> None:
-        """Tests: ``hook(stage, request_ids)`` may raise to simulate a failure (see engine.faults)."""
+        """Tests: ``hook(stage, request_ids)`` may raise to simulate a failure (see engine.utils.faults)."""
         self.runner.fault_hook = self.speculator.fault_hook = hook
 
     def _grammar_masks(self, scheduled: SchedulerOutput, drafts: dict) -> dict:

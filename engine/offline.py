@@ -3,7 +3,7 @@
 import itertools
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from engine.heap import freeze_startup_heap
+from engine.utils.heap import freeze_startup_heap
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams

@@ -11,7 +11,7 @@ GREEDY_EPS = 1e-5  # temperatures below this are greedy
 
 @dataclass(frozen=True)
 class GuidedDecoding:
-    """A grammar the output must follow (compiled by ``engine.grammar.Grammars``).
+    """A grammar the output must follow (compiled by ``engine.worker.grammar.Grammars``).
 
     ``kind`` "json": ``value`` is a JSON schema (as JSON text); "json_object": any JSON
     object (``value`` unused); "regex": a regular expression; "choice": a JSON list of

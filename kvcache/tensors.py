@@ -31,7 +31,7 @@ class PagedKV:
 
     def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device, pad_block: bool = False):
         """``pad_block``: one more block, ``num_blocks``, past the manager's: padding rows of a
-        bucketed step write and read there (``engine.step_buffers``)."""
+        bucketed step write and read there (``engine.worker.step_buffers``)."""
         shape = (num_blocks + pad_block, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.spec = spec
         self.num_blocks = num_blocks

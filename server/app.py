@@ -19,7 +19,7 @@ from api.errors import install_error_handlers
 from api.openapi import install_openapi
 from api.routes import router
 from engine.async_engine import AsyncEngine
-from engine.heap import freeze_startup_heap
+from engine.utils.heap import freeze_startup_heap
 from engine.llm_engine import LLMEngine
 from server.middleware import BearerAuth, BodyLimit, RequestContext
 from server.serving import ServingEngine

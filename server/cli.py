@@ -17,7 +17,7 @@ from server import openmp
 
 
 def _fetch_model(args) -> int:
-    from engine.model_store import fetch_default_gguf
+    from engine.worker.model_store import fetch_default_gguf
 
     print(fetch_default_gguf())
     return 0

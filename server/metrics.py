@@ -4,7 +4,7 @@ Two kinds of input:
 
 * ``RequestStats``, one per engine request (one choice of one HTTP request),
   updated by the serving layer as deltas arrive and reported when it ends;
-* ``EngineSnapshot`` (``engine.stats``), pushed by the engine thread after each
+* ``EngineSnapshot`` (``engine.core.stats``), pushed by the engine thread after each
   step and read when Prometheus scrapes: running and waiting requests, KV-cache
   usage, preemptions so far.
 
@@ -52,7 +52,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.stats import EngineSnapshot
+from engine.core.stats import EngineSnapshot
 
 # The *_created series double the output and carry nothing PromQL needs (vLLM drops them too).
 prometheus_client.disable_created_metrics()

@@ -13,7 +13,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
-from engine.model_store import DEFAULT_MODEL_NAME
+from engine.worker.model_store import DEFAULT_MODEL_NAME
 from engine.spec_decode.registry import DRAFTERS, check_speculative
 
 

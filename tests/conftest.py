@@ -18,7 +18,7 @@ from transformers import LlamaConfig
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
-from engine.model_store import fetch_default_model
+from engine.worker.model_store import fetch_default_model
 from engine.models.decoder import LlamaForCausalLM
 
 DEFAULT_MAX_MODEL_LEN = 1024  # rope table of the shared default model; engines on it stay within

@@ -1,6 +1,6 @@
-"""Fault hooks for ``LLMEngine.set_fault_hook`` (``engine.faults``): make one stage fail for chosen requests."""
+"""Fault hooks for ``LLMEngine.set_fault_hook`` (``engine.utils.faults``): make one stage fail for chosen requests."""
 
-from engine.faults import FaultHook
+from engine.utils.faults import FaultHook
 
 
 class InjectedFault(RuntimeError):

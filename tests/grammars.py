@@ -2,7 +2,7 @@
 
 import xgrammar as xgr
 
-from engine.grammar import Grammars
+from engine.worker.grammar import Grammars
 
 
 def vocab_grammars(tokens: list[str], stop_ids: list[int]) -> Grammars:

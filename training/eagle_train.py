@@ -77,7 +77,7 @@ def distilled(target, path, cfg: TrainConfig, out: Path) -> Distilled:
     from tqdm import tqdm
 
     from engine.llm_engine import eos_token_ids_of
-    from engine.loader import load_tokenizer
+    from engine.worker.loader import load_tokenizer
 
     file = out / "train" / "distilled.safetensors"
     if file.is_file():
@@ -252,8 +252,8 @@ def train(cfg: TrainConfig) -> Path:
     """Trains (or resumes) the head in ``cfg.out``; returns that directory."""
     from tqdm import tqdm
 
-    from engine.loader import load_model
-    from engine.model_store import resolve_model
+    from engine.worker.loader import load_model
+    from engine.worker.model_store import resolve_model
 
     start = time.monotonic()  # the budget covers the distillation too
     out = Path(cfg.out)
@@ -326,7 +326,7 @@ def has_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), where oneDNN's
     bfloat16 matmuls make a training step several times faster than float32. Elsewhere
     autocast would emulate them, slower than float32."""
-    from engine.devices import cpu_flags
+    from engine.utils.devices import cpu_flags
 
     flags = cpu_flags().split()
     return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine import tree
-from engine.transfer import to_device
+from engine.utils import tree
+from engine.utils.transfer import to_device
 from kvcache.manager import slot_mapping
 
 # Requests with more new tokens than this are attended on their own.
@@ -79,7 +79,7 @@ class ListedQueries:
     """Tokens that each attend over a prefix of a list of KV slots (``cpu_kernels.paged_attention``):
     no padding, no gather. The tokens of a chain share their request's list, each seeing one
     key more than the one before. A tree has one list per leaf, the committed prefix and the
-    path from a root down to that leaf (``engine.tree.leaf_paths``); each node is listed once, under the
+    path from a root down to that leaf (``engine.utils.tree.leaf_paths``); each node is listed once, under the
     first leaf whose path holds it, and sees the committed prefix, its ancestors and itself.
     Consecutive tokens of one list are attended together by the kernel (it reads each key
     once for them)."""

@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from engine.attention.metadata import MAX_BATCHED_QUERY, SeqSpec, tree_mask, window_binds, window_mask
-from engine.tree import depths
-from engine.transfer import to_device
+from engine.utils.tree import depths
+from engine.utils.transfer import to_device
 from kvcache.manager import slot_mapping
 
 

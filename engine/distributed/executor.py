@@ -24,7 +24,7 @@ from engine.distributed.channel import Channel, Handshake
 from engine.distributed.group import LOOPBACK, gloo_address, host_store, make_control_group, make_group
 from engine.distributed.messages import Rendezvous, Shutdown, WorkerInit
 from engine.distributed.worker import worker_main
-from engine.parallel import TPGroup
+from engine.layers.parallel import TPGroup
 
 log = logging.getLogger(__name__)
 

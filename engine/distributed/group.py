@@ -1,7 +1,7 @@
 """Building one tensor-parallel process group without touching torch.distributed's
 process-wide default group: rank 0 hosts a ``TCPStore`` at ``master_addr:master_port``,
 every rank (on any node) connects to it and constructs two group objects: the
-tensor group (gloo on the CPU, NCCL on CUDA), which ``engine.parallel.TPGroup``
+tensor group (gloo on the CPU, NCCL on CUDA), which ``engine.layers.parallel.TPGroup``
 calls directly, and a gloo control group that carries rank 0's messages
 (``engine.distributed.channel``)."""
 
@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from engine.parallel import TPGroup
+from engine.layers.parallel import TPGroup
 
 LOOPBACK = "127.0.0.1"
 CONTROL_PREFIX = "control"

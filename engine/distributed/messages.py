@@ -2,7 +2,7 @@
 
 Rank 0 sends every worker one message per model call through the control channel
 (``channel.Channel``: pickled plain data, numpy arrays, ``SeqSpec``s, numbers); the
-activations then meet in the collectives inside the layers (``engine.parallel``).
+activations then meet in the collectives inside the layers (``engine.layers.parallel``).
 Workers answer only at start-up, through the store (``channel.Handshake``).
 """
 
@@ -37,7 +37,7 @@ class WorkerInit:
     max_positions: int
     num_threads: int | None  # CPU threads per rank; None: each node shares out its own cores
     collective_timeout_s: float
-    quantization: str = "auto"  # engine.loader.load_model's
+    quantization: str = "auto"  # engine.worker.loader.load_model's
 
 
 @dataclass(frozen=True)

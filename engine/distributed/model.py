@@ -4,7 +4,7 @@ Rank 0 (the server process) runs the scheduler, the drafters and the sampler as
 at size 1; its runner holds a ``TensorParallelModel`` where it would hold the
 model. Each ``forward`` / ``compute_logits`` first sends the call to the other
 ranks as a typed message (``messages``), then runs rank 0's shard; the
-collectives inside the layers (``engine.parallel``) join the ranks' parts, so
+collectives inside the layers (``engine.layers.parallel``) join the ranks' parts, so
 every rank ends with the same hidden states and rank 0 with the full logits.
 The ranks may span nodes (``ParallelConfig.nnodes``; the other nodes run
 ``specserve serve --headless``). Each rank holds its attention and KV heads (whole KV heads with their query
@@ -29,7 +29,7 @@ from engine.distributed.executor import TPWorkers
 from engine.distributed.group import backend_for
 from engine.attention.backends import select_backend
 from engine.distributed.messages import AllocateKV, ComputeLogits, ForwardStep, ReleaseKV, WorkerInit
-from engine.loader import load_config, load_model
+from engine.worker.loader import load_config, load_model
 from engine.models.decoder import head_dim_of
 
 log = logging.getLogger(__name__)

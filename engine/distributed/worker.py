@@ -32,7 +32,7 @@ from engine.distributed.group import gloo_address, join_store, make_control_grou
 from engine.distributed.messages import (
     AllocateKV, ComputeLogits, ForwardStep, ReleaseKV, Rendezvous, Shutdown, WorkerInit,
 )
-from engine.loader import load_model
+from engine.worker.loader import load_model
 from kvcache.tensors import KVSpec, PagedKV
 
 HEARTBEAT_S = 0.5

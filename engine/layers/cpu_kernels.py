@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from engine.devices import cpu_flags
+from engine.utils.devices import cpu_flags
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import cpu_kernels, quant
-from engine.parallel import SINGLE, TPGroup
+from engine.layers.parallel import SINGLE, TPGroup
 
 
 PACK_BATCH_HINT = 16

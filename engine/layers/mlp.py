@@ -5,7 +5,7 @@ from torch import nn
 
 from engine.layers import cpu_kernels
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
-from engine.parallel import TPGroup
+from engine.layers.parallel import TPGroup
 
 
 class LlamaMLP(nn.Module):

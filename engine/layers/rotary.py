@@ -89,7 +89,7 @@ def table_device() -> torch.device:
     """Where a computed table goes: the default device (models are built under
     ``torch.device(...)``), but the CPU under ``meta``, whose tensors hold no values:
     a table is computed, never loaded, so it keeps its values until
-    ``engine.loader.materialize`` moves it where the weights go."""
+    ``engine.worker.loader.materialize`` moves it where the weights go."""
     device = torch.get_default_device()
     return torch.device("cpu") if device.type == "meta" else device
 

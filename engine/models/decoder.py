@@ -30,7 +30,7 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.arch import Arch, head_dim_of, llama_arch
 from engine.models.moe import SparseMoE
-from engine.parallel import SINGLE, TPGroup
+from engine.layers.parallel import SINGLE, TPGroup
 
 __all__ = ["LlamaForCausalLM", "head_dim_of"]
 

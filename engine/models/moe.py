@@ -29,7 +29,7 @@ from engine.layers import cpu_kernels
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.mlp import LlamaMLP  # the experts are the dense MLP, summed by this module
 from engine.models.arch import Arch, MoESpec, llama_arch
-from engine.parallel import TPGroup
+from engine.layers.parallel import TPGroup
 
 EXPERT_NAMES = {"gate_proj": ".gate_proj.", "up_proj": ".up_proj.", "down_proj": ".down_proj."}
 

@@ -11,6 +11,6 @@
 
 Concrete drafters live in the top-level ``drafters`` package and import these
 modules; nothing here imports a concrete drafter except the registry, lazily.
-Token trees as plain data (``engine.tree``) sit below this package: the attention
+Token trees as plain data (``engine.utils.tree``) sit below this package: the attention
 backends build tree masks from them too.
 """

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.request import Request
+    from engine.core.request import Request
 
 
 @dataclass(frozen=True)
@@ -31,14 +31,14 @@ class DraftSlot:
     # (at position len(request.token_ids) - 1) and the drafts after it. Only a drafter
     # that shares the target's cache reads it.
     block_table: tuple[int, ...] = ()
-    # A token tree's template (engine.tree parent list, chosen by the policy before drafting):
+    # A token tree's template (engine.utils.tree parent list, chosen by the policy before drafting):
     # the draft may be any tree whose nodes fit it, cut to num_draft_tokens nodes. None: a chain.
     shape: tuple[int, ...] | None = None
 
 
 @dataclass
 class Draft:
-    """A chain of drafts, or a token tree over ``token_ids`` (``engine.tree``: a parent
+    """A chain of drafts, or a token tree over ``token_ids`` (``engine.utils.tree``: a parent
     index per node, parents first, best-ranked sibling first)."""
 
     token_ids: list[int]

@@ -10,7 +10,7 @@ adaptive policy's interface (``SpecPolicy``): plan, record, end_step, free.
 from collections.abc import Sequence
 
 from engine.config import SpeculativeConfig
-from engine import tree
+from engine.utils import tree
 from engine.spec_decode.policy import Candidate, Decision, SpecState, StepPlan
 
 

@@ -1,7 +1,7 @@
 """A step's drafts for verification, flat (vLLM v1's ``SpecDecodeMetadata`` is the model).
 
 ``n`` requests sample this step; request ``r`` drafted ``k_r >= 0`` tokens (a chain,
-or a tree over them: ``engine.tree``), ``D = sum k_r`` in all. The target pass gives
+or a tree over them: ``engine.utils.tree``), ``D = sum k_r`` in all. The target pass gives
 ``R = D + n`` rows of logits, request after request: ``k_r + 1`` rows each, the
 first after the last committed token, row ``i + 1`` after draft ``i``. Example::
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine import tree
-from engine.transfer import to_device
+from engine.utils import tree
+from engine.utils.transfer import to_device
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from engine import tree
+from engine.utils import tree
 from engine.config import SpeculativeConfig
 from engine.spec_decode import tree_policy
 from engine.spec_decode.batch_pause import BatchPauses
@@ -403,7 +403,7 @@ class SpecPolicy:
                outcomes=None) -> None:
         """After verification of a request that ran with ``decision``: ``num_accepted``
         of ``num_draft_tokens`` drafts were kept; ``outcomes``: for a token tree, what was
-        tried per depth (``engine.tree.walk``). The only place a request's record changes."""
+        tried per depth (``engine.utils.tree.walk``). The only place a request's record changes."""
         st = self.states.get(request_id)
         if st is None:
             st = self.states[request_id] = SpecState(isolated=decision.isolated)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # plain data at import: the command line reads DRAFTERS before torch loads
-    from engine.gpu_memory import DrafterMemory
+    from engine.worker.gpu_memory import DrafterMemory
     from engine.spec_decode.drafter import Drafter
 
 DRAFTERS: dict[str, str] = {
@@ -49,17 +49,15 @@ def check_speculative(spec_config) -> None:
         raise ValueError(f'speculative "model" {spec_config.model!r} does not exist (models are never downloaded)')
 
 
-def drafter_memory(spec_config, **context) -> "DrafterMemory":
+def drafter_memory(spec_config, **context) -> "DrafterMemory | None":
     """What the drafter of ``spec_config.method`` will hold on the GPU (its factory module's
-    ``memory_needs``; nothing for drafters without weights or a cache of their own), asked
-    before the KV cache is sized. ``context``: dtype, kv_dtype (the KV cache's), block_size."""
-    from engine.gpu_memory import DrafterMemory
-
+    ``memory_needs``), asked before the KV cache is sized; None for drafters without weights or
+    a cache of their own. ``context``: dtype, kv_dtype (the KV cache's), block_size."""
     target = DRAFTERS.get(spec_config.method)
     if target is None:
-        return DrafterMemory()
+        return None
     needs = getattr(importlib.import_module(target.split(":")[0]), "memory_needs", None)
-    return needs(spec_config, **context) if needs is not None else DrafterMemory()
+    return needs(spec_config, **context) if needs is not None else None
 
 
 def build_drafter(spec_config, **context) -> "Drafter":

@@ -19,15 +19,15 @@ without speculation. ``free`` is the release path's: a request ended.
 import logging
 
 from engine.config import EngineConfig
-from engine.request import Request
-from engine.scheduler import RunnerOutput, SchedulerOutput
+from engine.core.request import Request
+from engine.core.scheduler import RunnerOutput, SchedulerOutput
 from engine.spec_decode.cost_tracker import CostTracker, measure_step_costs
 from engine.spec_decode.drafter import Draft, Drafter, DraftSlot
 from engine.spec_decode.fixed_policy import FixedPolicy
 from engine.spec_decode.policy import Candidate, SpecPolicy, SpecState, StepCosts, StepPlan
 from engine.spec_decode.registry import build_drafter
-from engine.stats import SpecStepStats, spec_step_stats
-from engine.tree import is_chain, walk
+from engine.core.stats import SpecStepStats, spec_step_stats
+from engine.utils.tree import is_chain, walk
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class Speculator:
         self.drafter = drafter
         self.policy: SpecPolicy | FixedPolicy | None = policy  # None exactly when drafter is
         self.cost_tracker = cost_tracker  # None: the policy's step costs stay as they are
-        self.fault_hook = None  # tests: called as hook("drafter", request_ids); see engine.faults
+        self.fault_hook = None  # tests: called as hook("drafter", request_ids); see engine.utils.faults
         self.step_fallbacks = 0  # 1 when the drafter failed in the current step
 
     @property
@@ -188,7 +188,7 @@ def build_speculator(config: EngineConfig, runner, drafter: Drafter | None = Non
 
 def cut_to_grammar(drafts: dict, slots: list[DraftSlot]) -> dict:
     """Each draft chain of a request with a grammar, cut at its first token outside the
-    grammar (before the target pass; exact, see ``engine.grammar``)."""
+    grammar (before the target pass; exact, see ``engine.worker.grammar``)."""
     for s in slots:
         rid, grammar = s.request.request_id, s.request.grammar
         if grammar is None or rid not in drafts:

@@ -1,6 +1,6 @@
 """Token-tree shapes for the speculation policy (``engine.spec_decode.policy``). No torch.
 
-A round's tree shape is a *template* (``engine.tree`` parent list): the largest
+A round's tree shape is a *template* (``engine.utils.tree`` parent list): the largest
 tree the drafter may propose. It is chosen before drafting, like a chain's
 length, from the measured costs and the request's acceptance records, never from
 the drafts (non-anticipating), so verification stays exact.
@@ -33,7 +33,7 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine import tree
+from engine.utils import tree
 
 # Acceptance assumed for a rank >= 1 child before any record: side branches of the EAGLE-3
 # head and of prompt lookup are accepted 10-20% of the time on chat; a higher prior grows
@@ -134,7 +134,7 @@ def best(
 
 
 def update(rank0: list[float], siblings: list[list[float]], outcomes, weight: float) -> int:
-    """Moves the records towards one round's ``outcomes`` (``engine.tree.walk``: per depth
+    """Moves the records towards one round's ``outcomes`` (``engine.utils.tree.walk``: per depth
     reached, children tried and the accepted rank); returns the depths tested."""
     for d, (tried, accepted) in enumerate(outcomes):
         if d < len(rank0):

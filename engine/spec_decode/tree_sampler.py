@@ -1,7 +1,7 @@
 """Verification of sampled requests' token trees: recursive rejection.
 
 Extends ``engine.spec_decode.rejection_sampler`` (a chain is the tree of width 1 and gives
-the same outputs from the same random numbers) to trees (``engine.tree``),
+the same outputs from the same random numbers) to trees (``engine.utils.tree``),
 vectorized over the batch with one loop over depth and one over sibling rank.
 Request ``r`` drafted ``num_nodes[r]`` nodes; row 0 of its target distributions
 is ``p`` after the last committed token, row ``i + 1`` is ``p`` after node ``i``

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine import tree
+from engine.utils import tree
 from engine.spec_decode.drafter import Draft
 from engine.spec_decode.metadata import build_verify_metadata
 from engine.spec_decode.rejection_sampler import rejection_sample
 from engine.spec_decode.tree_sampler import tree_verify
-from engine.transfer import to_device
+from engine.utils.transfer import to_device
 
 
 @dataclass(frozen=True)

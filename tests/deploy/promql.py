@@ -12,7 +12,7 @@ import subprocess
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.stats import EngineSnapshot, SpecStepStats, StepStats, StepTimes
+from engine.core.stats import EngineSnapshot, SpecStepStats, StepStats, StepTimes
 from server.metrics import RequestStats, ServingMetrics
 
 MODEL = "m"

@@ -1,6 +1,6 @@
 """Helpers shared by the engine-core tests: driving an engine to completion,
 running our model outside the engine, and the exact processed distribution
-(written here in numpy, independently of engine.sampler) with its chi-square
+(written here in numpy, independently of engine.worker.sampler) with its chi-square
 check."""
 
 from dataclasses import dataclass
@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 from engine.attention import SeqSpec, build_attention_metadata
 from engine.models.decoder import head_dim_of
 from engine.outputs import RequestOutput
-from engine.request import Request
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 from kvcache.tensors import KVSpec, PagedKV
 

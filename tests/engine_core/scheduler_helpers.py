@@ -3,9 +3,9 @@ and KVCacheManager with a tiny KV spec, plain Requests, and a fake runner that r
 chosen tokens. No model."""
 
 from engine.config import SchedulerConfig
-from engine.request import Request
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RunnerOutput, Scheduler
+from engine.core.scheduler import RunnerOutput, Scheduler
 from kvcache import KVCacheManager
 
 EOS = 99

@@ -7,7 +7,7 @@ import torch
 
 from engine.attention import SeqSpec, build_attention_metadata, paged_attention, tree_mask
 from engine.attention.metadata import MAX_BATCHED_QUERY
-from engine import tree
+from engine.utils import tree
 from bench.attention_problems import dense_attention
 
 

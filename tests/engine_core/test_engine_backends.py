@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, SpeculativeConfig
-from engine.gpu_memory import gpu_kv_blocks
+from engine.worker.gpu_memory import gpu_kv_blocks
 from engine.layers import cpu_kernels
 from engine.llm_engine import LLMEngine
 from tests.conftest import check_no_lost_blocks, engine_config

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from engine.spec_decode.drafter import Draft, DraftSlot
-from engine.grammar import Grammars
+from engine.worker.grammar import Grammars
 from engine.spec_decode.speculator import cut_to_grammar
-from engine.sampler import mask_logits
+from engine.worker.sampler import mask_logits
 from engine.sampling_params import GuidedDecoding, InvalidParameter
 from tests.grammars import vocab_grammars
 

@@ -1,4 +1,4 @@
-"""Padded buckets are neutral (engine.step_buffers): with the C kernels (the ``cpu`` backend,
+"""Padded buckets are neutral (engine.worker.step_buffers): with the C kernels (the ``cpu`` backend,
 each layer one C call, outside autograd as in the runner), a step of decodes, chains of
 drafts of mixed lengths or a short prompt, padded to its bucket and run on the static buffers, gives
 the real rows' hidden states and logits bitwise equal to the same step unpadded, writes the
@@ -11,9 +11,9 @@ import torch
 
 from engine.attention import SeqSpec
 from engine.attention.backends import CPU
-from engine.cuda_graphs import BucketedForward
+from engine.worker.cuda_graphs import BucketedForward
 from engine.layers import cpu_kernels
-from engine.step_buffers import Bucket, bucket_for, make_buckets
+from engine.worker.step_buffers import Bucket, bucket_for, make_buckets
 from kvcache.tensors import KVSpec, PagedKV
 
 BLOCK = 16

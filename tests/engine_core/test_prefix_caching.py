@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from engine.config import SpeculativeConfig
-from engine.request import Request
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RunnerOutput
+from engine.core.scheduler import RunnerOutput
 from tests.engine_core.engine_helpers import greedy, run
 from tests.engine_core.scheduler_helpers import EOS, check_runner_tables, counts, create_scheduler, fake_token, step
 

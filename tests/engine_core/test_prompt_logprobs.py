@@ -10,7 +10,7 @@ from transformers import LlamaForCausalLM
 from engine import SamplingParams
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
-from engine.request import Request
+from engine.core.request import Request
 from tests.conftest import DEFAULT_MAX_MODEL_LEN, check_no_lost_blocks
 
 ATOL = 1e-4  # the bound on a log-probability

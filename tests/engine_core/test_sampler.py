@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-import engine.sampler as sampler
-from engine.request import Request
-from engine.sampler import build_sampling_batch, compute_logprobs, penalized_logits, processed_probs, sample
+import engine.worker.sampler as sampler
+from engine.core.request import Request
+from engine.worker.sampler import build_sampling_batch, compute_logprobs, penalized_logits, processed_probs, sample
 from engine.sampling_params import InvalidParameter, SamplingParams
 from tests.engine_core.engine_helpers import assert_distribution, chi_square_p_value, expected_probs
 

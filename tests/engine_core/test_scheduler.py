@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from engine.request import RequestStatus
-from engine.scheduler import RunnerOutput
+from engine.core.request import RequestStatus
+from engine.core.scheduler import RunnerOutput
 from tests.engine_core.scheduler_helpers import (
     EOS,
     assert_all_free,

@@ -1,7 +1,7 @@
 """Per-step statistics: every step reaches the stat loggers, whatever it accepted."""
 
-from engine.scheduler import RunnerOutput, SchedulerOutput
-from engine.stats import StepTimes, make_step_stats, spec_step_stats
+from engine.core.scheduler import RunnerOutput, SchedulerOutput
+from engine.core.stats import StepTimes, make_step_stats, spec_step_stats
 
 
 def test_accepted_per_position_counts_runs_of_any_length():

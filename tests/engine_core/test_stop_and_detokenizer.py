@@ -4,10 +4,10 @@ with the default model's tokenizer and no model."""
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.request import Request
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
-from engine.stop import append_tokens, holdback
+from engine.core.stop import append_tokens, holdback
 
 TEXT = " The weather today is sunny, with a light breeze from the west."
 

@@ -43,7 +43,7 @@ def test_auto_picks_flash_attn_or_the_fallback():
 def test_kv_cache_sized_by_gpu_memory_utilization():
     from bench.common import tiny_model
     from engine.attention.backends import TORCH_VARLEN
-    from engine.gpu_memory import ProfileShape, gpu_kv_blocks, profile_used_bytes
+    from engine.worker.gpu_memory import ProfileShape, gpu_kv_blocks, profile_used_bytes
     from kvcache.tensors import KVSpec
 
     model = tiny_model(CUDA, torch.bfloat16)

@@ -1,7 +1,7 @@
 """flash-attn's real Python interface, fetched at test time, over our checking stand-in.
 
 flash-attn 2.8.3's source distribution comes from PyPI through pip (once; kept under
-``engine.model_store.cache_dir()``), and its ``flash_attn/__init__.py`` and
+``engine.worker.model_store.cache_dir()``), and its ``flash_attn/__init__.py`` and
 ``flash_attn_interface.py`` are imported unmodified, with ``flash_attn_2_cuda`` (the
 compiled module they import) being ``tests.gpu_fake.flash_attn_standin``. Nothing of
 flash-attn is committed here. Without network the tests that need it skip, saying so.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.model_store import cache_dir
+from engine.worker.model_store import cache_dir
 
 VERSION = "2.8.3"
 FILES = ("flash_attn/__init__.py", "flash_attn/flash_attn_interface.py")

@@ -11,7 +11,7 @@ from engine.attention import SeqSpec
 from engine.attention.backends import TORCH_VARLEN, select_backend
 from engine.attention.varlen_metadata import VarlenMetadata
 from engine.config import ModelConfig
-from engine.devices import choose_device
+from engine.utils.devices import choose_device
 from tests.deploy.conftest import ROOT
 from tests.gpu_fake.fake_cuda import fake_cuda
 

@@ -9,7 +9,7 @@ import torch
 
 from engine.attention import SeqSpec
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from engine.cuda_graphs import BucketedForward, graphs_apply
+from engine.worker.cuda_graphs import BucketedForward, graphs_apply
 from engine.sampling_params import SamplingParams
 from kvcache.tensors import KVSpec, PagedKV
 from tests.gpu_fake.engines import cuda_engine, cuda_model, run

@@ -7,7 +7,7 @@ and fails for each mutation that adds one of those to the model's forward."""
 import pytest
 import torch
 
-from engine.cuda_graphs import BucketedForward
+from engine.worker.cuda_graphs import BucketedForward
 from engine.models.decoder import LlamaForCausalLM
 from kvcache.tensors import KVSpec, PagedKV
 from tests.gpu_fake.engines import cuda_model

@@ -8,7 +8,7 @@ import torch
 from engine.attention import SeqSpec
 from engine.attention.backends import BACKENDS
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
-from engine.gpu_memory import ProfileShape, profile_used_bytes
+from engine.worker.gpu_memory import ProfileShape, profile_used_bytes
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from kvcache.tensors import KVSpec, PagedKV
@@ -80,7 +80,7 @@ def test_the_engine_stays_within_its_share_with_a_draft_model(checkpoints):
 
 
 def test_num_gpu_blocks_override_skips_the_profile(monkeypatch):
-    from engine import gpu_memory
+    from engine.worker import gpu_memory
     from server.settings import ServerSettings
 
     settings = ServerSettings(num_gpu_blocks_override=37, device="cuda")

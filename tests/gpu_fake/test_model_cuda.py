@@ -7,7 +7,7 @@ import torch
 from engine.attention import SeqSpec
 from engine.attention.backends import BACKENDS
 from engine.layers.rotary import RotaryEmbedding
-from engine.loader import load_model
+from engine.worker.loader import load_model
 from engine.models.decoder import LlamaForCausalLM, head_dim_of
 from kvcache.tensors import KVSpec, PagedKV
 from tests.gpu_fake.fake_cuda import fake_cuda, value

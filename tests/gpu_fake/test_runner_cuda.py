@@ -59,7 +59,7 @@ def test_verification_is_timed_from_a_finished_forward(monkeypatch):
 
     import torch
 
-    from engine import runner as runner_module
+    from engine.worker import runner as runner_module
 
     with fake_cuda() as gpu:
         engine = cuda_engine(cuda_model(echo=True), CHAINS)

@@ -5,7 +5,7 @@ with the CPU's kernels, and a seeded fake CUDA generator draws what a CPU one do
 import pytest
 import torch
 
-from engine.sampler import build_sampling_batch, compute_logprobs, processed_probs, sample
+from engine.worker.sampler import build_sampling_batch, compute_logprobs, processed_probs, sample
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.metadata import build_verify_metadata
 from engine.spec_decode.drafter import Draft

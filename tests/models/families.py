@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from engine.model_store import fetch_default_model
+from engine.worker.model_store import fetch_default_model
 from tests.parallel.checkpoints import copy_tokenizer, save_first_layers
 
 WINDOW = 12  # sliding window of the windowed families: the long test prompt is longer

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import engine.config
 from engine.config import SpeculativeConfig
-from engine.loader import load_model
+from engine.worker.loader import load_model
 from tests.engine_core.engine_helpers import prompt_logits
 from tests.models.families import GENERATION_EOS
 from tests.models.family_engines import PROMPTS, family_engine, greedy_tokens

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from engine.config import SpeculativeConfig
-from engine.loader import load_model
+from engine.worker.loader import load_model
 from engine.models.registry import supported_architectures
 from tests.engine_core.engine_helpers import prompt_logits
 from tests.models.families import BY_NAME, FAMILIES

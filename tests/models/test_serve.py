@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from engine.loader import load_tokenizer
+from engine.worker.loader import load_tokenizer
 from tests.models.families import FAMILIES
 
 FAST = {"gemma2"}

@@ -12,7 +12,7 @@ import torch
 from engine.attention import SeqSpec, build_attention_metadata
 from engine.distributed.group import LOOPBACK, host_store, join_store, make_group
 from engine.distributed.worker import kv_spec
-from engine.loader import load_model
+from engine.worker.loader import load_model
 from kvcache.tensors import PagedKV
 from tests.models.families import FAMILIES
 from tests.models.family_engines import PROMPTS

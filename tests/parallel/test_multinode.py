@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from bench.server_procs import free_port, stop
-from engine.loader import load_tokenizer
+from engine.worker.loader import load_tokenizer
 from tests.parallel.checkpoints import save_random_llama, tp_engine
 from tests.server.conftest import LiveServer, settings
 

@@ -14,8 +14,8 @@ from engine.config import ParallelConfig
 from engine.distributed.group import LOOPBACK, host_store, join_store, make_group
 from engine.distributed.model import check_parallel
 from engine.distributed.worker import kv_spec
-from engine.loader import load_model
-from engine.parallel import TPGroup
+from engine.worker.loader import load_model
+from engine.layers.parallel import TPGroup
 from kvcache.tensors import PagedKV
 from tests.parallel.checkpoints import TINY, save_random_llama
 

@@ -10,7 +10,7 @@ import torch
 from engine.spec_decode import rejection_sampler
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
-from engine.loader import load_model
+from engine.worker.loader import load_model
 from tests.parallel.checkpoints import save_random_llama
 from tests.spec.distribution import NUM_SAMPLES, SETTINGS, V, exact_joint, llama_logits, p_value, resample_from_p, sample_joint
 

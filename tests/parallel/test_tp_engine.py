@@ -10,8 +10,8 @@ import torch
 
 from engine.attention import SeqSpec, build_attention_metadata
 from engine.config import SpeculativeConfig
-from engine.loader import load_tokenizer
-from engine.model_store import fetch_default_model
+from engine.worker.loader import load_tokenizer
+from engine.worker.model_store import fetch_default_model
 from engine.sampling_params import SamplingParams
 from tests.conftest import check_no_lost_blocks
 from tests.engine_core.engine_helpers import run
@@ -142,8 +142,8 @@ def test_the_default_gguf_file_splits_in_its_blocks(tokenizer, monkeypatch):
     the whole model's embeddings (a mean of about 0.2), far less than under q and k rows left in
     llama.cpp's rotary order (a mean of about 5). On the split, greedy text with ngram drafts
     equals plain greedy text: each row's bits do not depend on the others in its step."""
-    from engine import gguf_file
-    from engine.model_store import fetch_default_gguf
+    from engine.worker import gguf_file
+    from engine.worker.model_store import fetch_default_gguf
 
     path = fetch_default_gguf()
     prompts = [tokenizer.encode(p) for p in TEXT_PROMPTS]
@@ -177,9 +177,9 @@ def test_the_quantized_split_is_one_rank_adding_two_partial_sums(tokenizer, monk
     its greedy text; plain size 1 does not (its one FMA chain per output rounds otherwise,
     and an activation one ulp away can change an 8-bit code of the next layer's input)."""
     from engine.layers.linear import RowParallelLinear
-    from engine.loader import load_model
-    from engine.model_store import fetch_default_gguf
-    from engine.parallel import TPGroup
+    from engine.worker.loader import load_model
+    from engine.worker.model_store import fetch_default_gguf
+    from engine.layers.parallel import TPGroup
 
     path = fetch_default_gguf()
     prompts = [tokenizer.encode(p) for p in TEXT_PROMPTS]

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.layers import quant
 from engine.layers.linear import PackedLinear
-from engine.loader import load_model, load_tokenizer
+from engine.worker.loader import load_model, load_tokenizer
 from tests.engine_core.engine_helpers import prompt_logits
 from tests.quant.gguf_models import CHAT_TEMPLATE, tiny_llama, write_gguf
 

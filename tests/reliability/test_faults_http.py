@@ -4,7 +4,7 @@ makes its requests decode plainly for that step (counted in /metrics); an engine
 thread that dies turns /health and every generation route into 503s, and the
 streams in flight end with an error event instead of hanging.
 
-Faults are injected with the engine's test hook (``engine.faults``). A request is
+Faults are injected with the engine's test hook (``engine.utils.faults``). A request is
 picked out by its seed: the hook looks up the ids it is given in the scheduler.
 """
 

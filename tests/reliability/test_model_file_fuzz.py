@@ -15,8 +15,8 @@ import pytest
 import torch
 from gguf import GGUFReader
 
-from engine.gguf_file import CheckpointError
-from engine.loader import load_model
+from engine.worker.gguf_file import CheckpointError
+from engine.worker.loader import load_model
 from tests.quant.gguf_models import tiny_llama, write_gguf
 
 TIMEOUT_S = 5

@@ -12,7 +12,7 @@ from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
 from api.routes import router
-from engine import loader
+from engine.worker import loader
 from server.app import create_app
 from server.cli import build_parser
 from server.settings import ServerSettings

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.model_store import fetch_default_model
+from engine.worker.model_store import fetch_default_model
 from tests.server.bench_clients import ngram_server, spec_counters
 from tests.server.conftest import MODEL, wait_idle
 

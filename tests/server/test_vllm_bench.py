@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench.peers import VLLM_MAIN
-from engine.model_store import fetch_default_model
+from engine.worker.model_store import fetch_default_model
 from tests.server.bench_clients import ngram_server, spec_counters
 from tests.server.conftest import MODEL, wait_idle
 

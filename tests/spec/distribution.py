@@ -1,5 +1,5 @@
 """Helpers of the distribution tests: the exact processed distribution of a
-short continuation, written independently of engine.sampler; the engine run
+short continuation, written independently of engine.worker.sampler; the engine run
 that samples it many times; the chi-square check.
 
 A request's *processed* next-token distribution applies, as SamplingParams

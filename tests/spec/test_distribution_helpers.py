@@ -1,12 +1,12 @@
 """The distribution tests' own tools: deterministic bigram tables, an
-independent processed distribution that agrees with engine.sampler, and a
+independent processed distribution that agrees with engine.worker.sampler, and a
 chi-square check that an impossible outcome fails outright."""
 
 import numpy as np
 import torch
 
-from engine.request import Request
-from engine.sampler import build_sampling_batch, penalized_logits, processed_probs
+from engine.core.request import Request
+from engine.worker.sampler import build_sampling_batch, penalized_logits, processed_probs
 from engine.sampling_params import SamplingParams
 from tests.spec.bigram import bigram_table, perturbed
 from tests.spec.distribution import p_value, processed

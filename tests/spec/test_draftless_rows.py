@@ -7,7 +7,7 @@ sum (a residual against q = 0) moves the last bits and flips the token."""
 import torch
 
 from engine import SamplingParams
-from engine.sampler import build_sampling_batch, exponential_noise, processed_probs, sample
+from engine.worker.sampler import build_sampling_batch, exponential_noise, processed_probs, sample
 from engine.spec_decode.drafter import Draft
 from engine.spec_decode.verify import verify
 

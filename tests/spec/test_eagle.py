@@ -10,7 +10,7 @@ import torch
 
 from drafters.eagle_head import load_eagle_head
 from engine import SamplingParams
-from engine import tree
+from engine.utils import tree
 from engine.attention import SeqSpec, build_attention_metadata
 from engine.attention.backends import CPU, TORCH
 from engine.layers import cpu_kernels

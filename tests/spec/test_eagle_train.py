@@ -263,7 +263,7 @@ def test_train_eagle_on_a_quantized_target_with_a_tied_head(tmp_path):
     """``train`` end to end (distillation, training, the saved head) on a GGUF target whose
     matrices are Q4_1 and whose head is its Q4_1 embedding, as the default model's: the new
     head starts from their dequantized rows; the engine then drafts with it, greedy unchanged."""
-    from engine.loader import load_model
+    from engine.worker.loader import load_model
     from tests.quant.gguf_models import tiny_llama, write_gguf
 
     model = tiny_llama(layers=4)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import drafters.draft_model
-import engine.runner
+import engine.worker.runner
 from engine import SamplingParams
 from engine.sampling_params import GuidedDecoding
 from drafters.draft_model import ModelDrafter
@@ -144,7 +144,7 @@ def test_the_test_rejects_a_drafter_whose_q_is_not_masked(monkeypatch):
 
 
 def test_the_test_rejects_a_target_whose_p_is_not_masked(monkeypatch):
-    monkeypatch.setattr(engine.runner, "apply_bitmask", lambda logits, rows, bitmask: logits)  # the runner's mask
+    monkeypatch.setattr(engine.worker.runner, "apply_bitmask", lambda logits, rows, bitmask: logits)  # the runner's mask
     counts, outside, _ = sample_masked_joint(grammar_engine("ngram"), SETTINGS[0])
     assert exact_p_value(counts, outside, exact_masked_joint(SETTINGS[0])) < 1e-3
 

@@ -66,7 +66,7 @@ def plain_greedy(default_engine, prompts):
 def small_draft_model(default_engine, tmp_path_factory) -> Path:
     """A separate, smaller checkpoint sharing the tokenizer: the default model's first 8 layers."""
     out = tmp_path_factory.mktemp("draft")
-    from engine.model_store import fetch_default_model
+    from engine.worker.model_store import fetch_default_model
     from safetensors import safe_open
 
     src = fetch_default_model()  # the float32 conversion (the draft is quantized at load: SPECS)

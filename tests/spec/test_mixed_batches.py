@@ -15,7 +15,8 @@ import torch
 
 import engine.spec_decode.metadata
 from engine.spec_decode.drafter import Drafter
-from drafters.draft_model import ModelDrafter, SamplingDrafter
+from drafters import tree_drafting
+from drafters.draft_model import ModelDrafter
 from drafters.ngram import NgramDrafter
 from engine import SamplingParams
 from tests.spec.bigram import BigramLM, bigram_table, perturbed
@@ -140,16 +141,16 @@ def test_every_kind_of_processing_in_one_adaptive_batch_is_exact():
     assert p_values[-1] == 1.0  # the greedy requests: all on the one path
 
 
-def _report_unprocessed_q(self, logits, requests, drafts):
-    """A drafter that samples from its processed q but reports the raw softmax as q."""
-    q, tokens = _sample(self, logits, requests, drafts)
-    return logits.softmax(-1), tokens
+_draw_children = tree_drafting.draw_children
 
 
-_sample = SamplingDrafter._sample
+def _report_unprocessed_q(q, logits, greedy, count, noise):
+    """A drafter that samples from its processed q but reports the penalized logits' softmax
+    (no temperature, top-k or top-p) as the q of each draft."""
+    return [(t, None if q_i is None else logits.softmax(-1)) for t, q_i in _draw_children(q, logits, greedy, count, noise)]
 
 
 def test_the_processing_test_catches_a_q_other_than_the_one_sampled(monkeypatch):
-    monkeypatch.setattr(SamplingDrafter, "_sample", _report_unprocessed_q)
+    monkeypatch.setattr(tree_drafting, "draw_children", _report_unprocessed_q)
     p_values = processing_run()
     assert p_values[0] < 1e-3  # top-k: the reported q puts mass where the draft never samples

@@ -1,6 +1,6 @@
 from engine.spec_decode.drafter import DraftSlot
 from drafters.ngram import NgramDrafter, NgramIndex
-from engine.request import Request
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 
 

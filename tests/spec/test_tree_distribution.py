@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import tree
+from engine.utils import tree
 from engine.spec_decode import tree_sampler
 from engine.spec_decode.metadata import build_verify_metadata
 from engine.spec_decode.tree_sampler import tree_verify

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import engine.runner
+import engine.worker.runner
 import engine.spec_decode.verify
 from drafters.draft_model import ModelDrafter
 from drafters.ngram import NgramDrafter
@@ -42,13 +42,13 @@ class Moves:
 
     def __init__(self, monkeypatch):
         self.count = 0
-        real = engine.runner.move_slots
+        real = engine.worker.runner.move_slots
 
         def counted(kv, src, dst):
             self.count += 1
             real(kv, src, dst)
 
-        monkeypatch.setattr(engine.runner, "move_slots", counted)
+        monkeypatch.setattr(engine.worker.runner, "move_slots", counted)
 
 
 def greedy_run(llm: LLMEngine, max_tokens: int = 24) -> list[list[int]]:
@@ -116,7 +116,7 @@ def test_draft_model_tree_moves_its_own_kv(tiny_model, monkeypatch):
     draft = tiny_model(vocab_size=64, seed=4)
     plain = greedy_run(tiny_engine(model))
     moved = []
-    real = engine.runner.move_slots
+    real = engine.worker.runner.move_slots
     import drafters.draft_model as dm
 
     monkeypatch.setattr(dm, "move_slots", lambda kv, s, d: moved.append(len(s)) or real(kv, s, d))

@@ -7,7 +7,7 @@ import pytest
 from engine.config import SpeculativeConfig
 from engine.spec_decode.fixed_policy import FixedPolicy
 from engine.spec_decode.policy import Candidate as Request, SpecPolicy, StepCosts
-from engine import tree
+from engine.utils import tree
 from engine.spec_decode.tree_policy import PRIOR_SIBLING, Candidate, best_grown, expected_accepted, grown, update
 
 

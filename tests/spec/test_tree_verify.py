@@ -4,7 +4,7 @@ against the chain sampler with the same random numbers."""
 import pytest
 import torch
 
-from engine import tree
+from engine.utils import tree
 from engine.spec_decode.drafter import Draft
 from engine.spec_decode.metadata import build_verify_metadata
 from engine.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample

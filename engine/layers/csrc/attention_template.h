@@ -441,24 +441,62 @@ static int64_t attention_items(const int64_t *start, int64_t n, int64_t KVH, int
     return count;
 }
 
+/* Vectors per item: up to MAXR read the keys once for all of them, but make fewer items; keep
+ * at least four items a thread (a request's 17-row chain, 51 vectors a KV head, gives 12 items
+ * of 16 at batch 1; one row, 3 vectors, one item). ``in_regs``: vectors read in one pass. */
+static int64_t vectors_per_item(int64_t vectors, int64_t in_regs, int num_threads) {
+    int64_t per_item = MAXR;
+    while (per_item > in_regs && vectors / per_item < 4 * num_threads) per_item /= 2;
+    return per_item < in_regs ? in_regs : per_item;
+}
+
+/* One work item: its query and output vectors, then the kernel for its head size and count.
+ * ``scores``: the thread's scratch (scores, then acc, qs and buf, as PAGED_ATTENTION lays out). */
+static inline __attribute__((always_inline)) void attend_item(
+    AttnItem w, const float *q, int64_t q_stride, const kv_t *k_cache, const kv_t *v_cache, const int64_t *rows,
+    const int64_t *start, const int64_t *len, const int64_t *slots, float *out, int64_t H, int64_t KVH, int64_t D,
+    float scale, int64_t in_regs, float *scores, int64_t ss) {
+    const int64_t rep = H / KVH, g = w.g;
+    const int64_t *sl = slots + start[w.first];
+    float *acc = scores + MAXR * ss, *qs = acc + MAXR * D, *buf = qs + MAXR * D;
+    const float *qp[MAXR];
+    float *op[MAXR];
+    int64_t L[MAXR], Lmax = 0;
+    for (int64_t v = 0; v < w.nv; v++) {
+        const int64_t i = w.first + (w.v0 + v) / rep, h = g * rep + (w.v0 + v) % rep;
+        qp[v] = q + rows[i] * q_stride + h * D;
+        op[v] = out + (rows[i] * H + h) * D;
+        L[v] = len[i];
+        Lmax = L[v] > Lmax ? L[v] : Lmax;
+    }
+    if (Lmax * D * (int64_t)sizeof(kv_t) * 2 <= TOUCH_BYTES) touch_item(k_cache, v_cache, sl, Lmax, KVH, g, D);
+#ifdef __AVX512F__
+    const int wide = D == 64 || D == 128; /* attend512 and attend_blocked512 */
+    if (wide && w.nv > in_regs) {
+        attend_blocked512(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, acc, op, D);
+        return;
+    }
+    if (wide) {
+        attend512_vectors(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, op, D);
+        return;
+    }
+#else
+    (void)in_regs;
+#endif
+    attend256(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, qs, acc, buf, op, D);
+}
+
 int PAGED_ATTENTION(const float *q, int64_t q_stride, const kv_t *k_cache, const kv_t *v_cache,
                          const int64_t *rows, const int64_t *start, const int64_t *len, const int64_t *slots,
                          float *out, int64_t n, int64_t H, int64_t KVH, int64_t D, float scale, int num_threads) {
     const int64_t rep = H / KVH;
     int64_t max_len = 1;
     for (int64_t i = 0; i < n; i++) max_len = len[i] > max_len ? len[i] : max_len;
-    int in_regs = AVX2_GROUP; /* vectors whose keys are read once in one pass */
+    int64_t in_regs = AVX2_GROUP; /* vectors whose keys are read once in one pass */
 #ifdef __AVX512F__
-    const int wide = D == 64 || D == 128; /* attend512 and attend_blocked512 */
-    if (wide) in_regs = D == 64 ? MAXV : 2;
+    if (D == 64 || D == 128) in_regs = D == 64 ? MAXV : 2;
 #endif
-    /* Items of up to MAXR vectors read the keys once for all of them, but are fewer: keep at
-     * least four items a thread (a request's 17-row chain, 51 vectors a KV head, gives 12
-     * items of 16 at batch 1; one row, 3 vectors, one item). */
-    const int64_t vectors = n * rep * KVH;
-    int64_t per_item = MAXR;
-    while (per_item > in_regs && vectors / per_item < 4 * num_threads) per_item /= 2;
-    per_item = per_item < in_regs ? in_regs : per_item;
+    const int64_t per_item = vectors_per_item(n * rep * KVH, in_regs, num_threads);
     AttnItem *items = malloc(sizeof(AttnItem) * n * H);
     if (!items) return KERNEL_NO_MEMORY;
     int failed = 0;
@@ -470,36 +508,11 @@ int PAGED_ATTENTION(const float *q, int64_t q_stride, const kv_t *k_cache, const
             #pragma omp atomic write
             failed = 1;
         }
-        float *acc = scores + MAXR * ss, *qs = acc + MAXR * D, *buf = qs + MAXR * D;
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < count; it++) {
-            if (!scores) continue;
-            const AttnItem w = items[it];
-            const int64_t g = w.g;
-            const int64_t *sl = slots + start[w.first];
-            const float *qp[MAXR];
-            float *op[MAXR];
-            int64_t L[MAXR], Lmax = 0;
-            for (int64_t v = 0; v < w.nv; v++) {
-                const int64_t i = w.first + (w.v0 + v) / rep, h = g * rep + (w.v0 + v) % rep;
-                qp[v] = q + rows[i] * q_stride + h * D;
-                op[v] = out + (rows[i] * H + h) * D;
-                L[v] = len[i];
-                Lmax = L[v] > Lmax ? L[v] : Lmax;
-            }
-            if (Lmax * D * (int64_t)sizeof(kv_t) * 2 <= TOUCH_BYTES) touch_item(k_cache, v_cache, sl, Lmax, KVH, g, D);
-#ifdef __AVX512F__
-            if (wide && w.nv > in_regs) {
-                attend_blocked512(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, acc, op, D);
-                continue;
-            }
-            if (wide) {
-                attend512_vectors(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, op, D);
-                continue;
-            }
-#endif
-            attend256(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, qs, acc, buf, op, D);
-        }
+        for (int64_t it = 0; it < count; it++)
+            if (scores)
+                attend_item(items[it], q, q_stride, k_cache, v_cache, rows, start, len, slots, out, H, KVH, D, scale,
+                            in_regs, scores, ss);
         free(scores);
     }
     free(items);

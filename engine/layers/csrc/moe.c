@@ -35,6 +35,50 @@ static void gated_mlp(const float *w_gu, const float *w_down, const float *x, fl
     matmul_f32(a, w_down, y, n, Hd, I, num_threads);
 }
 
+/* The counting sort of the P = T * K (token, rank) pairs by expert: ``first`` [E + 1] the
+ * start of each expert's run, ``pos`` [P] each pair's sorted row, ``xs`` [P, Hd] its token's row
+ * copied there (tokens in order within an expert). ``next`` [E + 1]: the sort's cursors. */
+static void sort_by_expert(const int64_t *ids, const float *h, int64_t P, int64_t E, int64_t K, int64_t Hd,
+                           int64_t *first, int64_t *next, int64_t *pos, float *xs) {
+    memset(first, 0, sizeof(int64_t) * (E + 1));
+    for (int64_t p = 0; p < P; p++) first[ids[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) first[e + 1] += first[e];
+    memcpy(next, first, sizeof(int64_t) * (E + 1));
+    for (int64_t p = 0; p < P; p++) {
+        pos[p] = next[ids[p]]++;
+        memcpy(xs + pos[p] * Hd, h + p / K * Hd, sizeof(float) * Hd);
+    }
+}
+
+/* out [T, Hd] = each token's experts' outputs ``ys`` (at rows ``pos``) weighted by ``w`` [T, K],
+ * summed in rank order. */
+static void combine_experts(const float *ys, const float *w, const int64_t *pos, float *out, int64_t T, int64_t K,
+                            int64_t Hd) {
+    for (int64_t t = 0; t < T; t++) {
+        float *o = out + t * Hd;
+        const float *y0 = ys + pos[t * K] * Hd;
+        for (int64_t i = 0; i < Hd; i++) o[i] = w[t * K] * y0[i];
+        for (int64_t j = 1; j < K; j++) {
+            const float wj = w[t * K + j], *yj = ys + pos[t * K + j] * Hd;
+            for (int64_t i = 0; i < Hd; i++) o[i] += wj * yj[i];
+        }
+    }
+}
+
+/* out += sigmoid(h . shared_gate) * the shared expert's MLP of h; ``scratch``: T (1 + 3 S + Hd) floats. */
+static void add_shared_expert(const moe_t *m, const float *h, float *scratch, float *out, int64_t T, int64_t Hd,
+                              int num_threads) {
+    const int64_t S = m->shared_inter;
+    float *g = scratch, *sgu = g + T;              /* [T]: the shared expert's gate, [T, 2 S] */
+    float *sa = sgu + T * 2 * S, *sy = sa + T * S; /* [T, S], [T, Hd] */
+    matmul_f32(h, m->shared_gate, g, T, 1, Hd, num_threads);
+    gated_mlp(m->shared_gate_up, m->shared_down, h, sgu, sa, sy, T, Hd, S, num_threads);
+    for (int64_t t = 0; t < T; t++) {
+        const float s = 1.0f / (1.0f + expf(-g[t]));
+        for (int64_t i = 0; i < Hd; i++) out[t * Hd + i] += s * sy[t * Hd + i];
+    }
+}
+
 /* out [T, Hd] = for each token of h [T, Hd], the sum over its top_k experts in rank order
  * of weight * expert(h), plus sigmoid(shared_gate . h) * shared(h) where there is a shared
  * expert. The T * top_k (token, rank) pairs are sorted by expert (a counting sort, tokens
@@ -61,14 +105,7 @@ int moe_f32(const moe_t *m, const float *h, float *out, int64_t T, int64_t Hd, i
     float *ys = a + P * I;         /* [P, Hd]: the pairs' expert outputs */
     matmul_f32(h, m->router, probs, T, E, Hd, num_threads);
     for (int64_t t = 0; t < T; t++) route(probs + t * E, E, K, m->normalize, ids + t * K, w + t * K);
-    memset(first, 0, sizeof(int64_t) * (E + 1));
-    for (int64_t p = 0; p < P; p++) first[ids[p] + 1]++;
-    for (int64_t e = 0; e < E; e++) first[e + 1] += first[e];
-    memcpy(next, first, sizeof(int64_t) * (E + 1));
-    for (int64_t p = 0; p < P; p++) {
-        pos[p] = next[ids[p]]++;
-        memcpy(xs + pos[p] * Hd, h + p / K * Hd, sizeof(float) * Hd);
-    }
+    sort_by_expert(ids, h, P, E, K, Hd, first, next, pos, xs);
     const float *gu_in[E], *gu_w[E], *down_in[E], *down_w[E]; /* the experts with rows: inputs and weights */
     float *gu_out[E], *down_out[E];
     int64_t rows[E], used = 0;
@@ -90,25 +127,8 @@ int moe_f32(const moe_t *m, const float *h, float *out, int64_t T, int64_t Hd, i
         free(buf);
         return KERNEL_NO_MEMORY;
     }
-    for (int64_t t = 0; t < T; t++) {
-        float *o = out + t * Hd;
-        const float *y0 = ys + pos[t * K] * Hd;
-        for (int64_t i = 0; i < Hd; i++) o[i] = w[t * K] * y0[i];
-        for (int64_t j = 1; j < K; j++) {
-            const float wj = w[t * K + j], *yj = ys + pos[t * K + j] * Hd;
-            for (int64_t i = 0; i < Hd; i++) o[i] += wj * yj[i];
-        }
-    }
-    if (S) {
-        float *g = ys + P * Hd, *sgu = g + T; /* [T]: the shared expert's gate, [T, 2 S] */
-        float *sa = sgu + T * 2 * S, *sy = sa + T * S; /* [T, S], [T, Hd] */
-        matmul_f32(h, m->shared_gate, g, T, 1, Hd, num_threads);
-        gated_mlp(m->shared_gate_up, m->shared_down, h, sgu, sa, sy, T, Hd, S, num_threads);
-        for (int64_t t = 0; t < T; t++) {
-            const float s = 1.0f / (1.0f + expf(-g[t]));
-            for (int64_t i = 0; i < Hd; i++) out[t * Hd + i] += s * sy[t * Hd + i];
-        }
-    }
+    combine_experts(ys, w, pos, out, T, K, Hd);
+    if (S) add_shared_expert(m, h, ys + P * Hd, out, T, Hd, num_threads);
     free(buf);
     return 0;
 }

@@ -1,6 +1,6 @@
 """The model forward of bucketed steps on static buffers, replayed as CUDA graphs.
 
-A step that fits a bucket (``engine.step_buffers``: decodes, and verification of chains
+A step that fits a bucket (``engine.worker.step_buffers``: decodes, and verification of chains
 of up to k drafts) runs the model on its bucket's static buffers; on CUDA, unless
 ``--enforce-eager``, that forward is captured once per bucket at start-up (largest first,
 all graphs sharing one memory pool) and each step only fills the buffers and replays.
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from engine.attention import SeqSpec
-from engine.step_buffers import BUCKETED_BACKENDS, Bucket, StepBuffers, bucket_for, make_buckets
+from engine.worker.step_buffers import BUCKETED_BACKENDS, Bucket, StepBuffers, bucket_for, make_buckets
 from kvcache.tensors import PagedKV
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 import enum
 import time
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core.detokenizer import IncrementalDetokenizer
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -51,7 +51,7 @@ class Request:
         # Computes every token of its prompt, taking no prefix-cache hit (set by the engine: a
         # seeded request whose drafter reads the target's features of every position).
         self.full_prefill = False
-        # The structured-output matcher (engine.grammar.RequestGrammar), set by the engine
+        # The structured-output matcher (engine.worker.grammar.RequestGrammar), set by the engine
         # when params.guided is; it follows the committed tokens only.
         self.grammar = None
         # Delta bookkeeping: what the last emitted RequestOutput covered.

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.outputs import TokenLogprob
-from engine.request import Request
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
-from engine.transfer import to_device
+from engine.utils.transfer import to_device
 
 
 @dataclass
@@ -204,7 +204,7 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def mask_logits(logits: torch.Tensor, requests: Sequence, prefixes: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
-    """``logits`` [n, V] with the tokens outside each row's grammar (``engine.grammar``, the
+    """``logits`` [n, V] with the tokens outside each row's grammar (``engine.worker.grammar``, the
     rule and why it keeps speculation exact) at -inf; row i belongs to
     ``requests[i]``, after its committed tokens plus ``prefixes[i]`` (drafts). Rows of
     requests without a grammar are untouched; with no grammar at all this returns

@@ -5,7 +5,7 @@ of up to ``k`` chain drafts: ``k + 1``) is padded to a bucket ``(R, Q)``, ``R`` 
 power of two at or above its number of requests: ``N = R * Q`` token rows. Its inputs and
 attention metadata are written into buffers allocated once per bucket, so that every
 step of the bucket reads the same tensors (what a captured CUDA graph needs,
-``engine.cuda_graphs``); request lengths are data (``cu_seqlens``), not shapes::
+``engine.worker.cuda_graphs``); request lengths are data (``cu_seqlens``), not shapes::
 
     bucket (2, 3), a decode and a chain of 2 drafts (4 tokens; 2 rows of padding):
     request:      r0   r1          pad

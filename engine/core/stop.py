@@ -3,11 +3,11 @@
 Tokens are appended one at a time, so a stop inside a run of several accepted
 tokens (speculative decoding) drops everything after it. A request with a
 grammar advances its matcher with each committed token and stops ("stop") once
-the grammar is done (see ``engine.grammar``).
+the grammar is done (see ``engine.worker.grammar``).
 """
 
 from engine.outputs import TokenLogprob
-from engine.request import Request
+from engine.core.request import Request
 
 
 def append_tokens(

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, MODEL_ARCH_NAMES, GGMLQuantizationType, get_tensor_name_map
 
-from engine import model_store
+from engine.worker import model_store
 from engine.layers import quant
 from engine.layers.quant import QuantTensor
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, SeqSpec
-from engine.sampler import build_sampling_batch, processed_probs
+from engine.worker.sampler import build_sampling_batch, processed_probs
 from engine.sampling_params import SamplingParams
 from kvcache.tensors import KVSpec, PagedKV
 
@@ -125,7 +125,7 @@ def _profile_step(model, backend: AttentionBackend, kv: PagedKV, requests: list[
 def num_kv_blocks(config, spec: KVSpec, model, backend: AttentionBackend, device: torch.device, max_model_len: int,
                   drafter: DrafterMemory = DrafterMemory(), graph_bytes: int = 0) -> int:
     """The KV cache's size in blocks for ``config`` (an ``EngineConfig``); ``graph_bytes``: what
-    the CUDA graphs will hold (``engine.cuda_graphs.graph_pool_bytes``)."""
+    the CUDA graphs will hold (``engine.worker.cuda_graphs.graph_pool_bytes``)."""
     if config.cache.num_blocks:
         return config.cache.num_blocks
     if device.type != "cuda":

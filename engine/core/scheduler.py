@@ -30,9 +30,9 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
-from engine.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.stop import append_tokens
+from engine.core.stop import append_tokens
 from kvcache import KVCacheManager
 
 

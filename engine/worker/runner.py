@@ -13,7 +13,7 @@ being the target's distribution after the first ``i`` drafts::
     tokens fed:  t_last  d1  d2  d3        (k = 3)
     logit row:   0       1   2   3         row i predicts the token after d_i
 
-A draft may be a token tree (``engine.tree``): the ``k`` nodes are fed in node
+A draft may be a token tree (``engine.utils.tree``): the ``k`` nodes are fed in node
 order, each at position ``context_len + 1 + depth`` and attending to the
 prefix and its own ancestors (``SeqSpec.parents``); row ``i + 1`` is the
 target's distribution after node ``i``'s branch. After verification the
@@ -47,7 +47,7 @@ import torch
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
 from engine.outputs import TokenLogprob
-from engine.sampler import (
+from engine.worker.sampler import (
     apply_bitmask,
     build_sampling_batch,
     compute_logprobs,
@@ -58,11 +58,11 @@ from engine.sampler import (
     sample,
 )
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
-from engine import tree
+from engine.core.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.utils import tree
 from engine.spec_decode.drafter import Draft
 from engine.spec_decode.verify import Verified, greedy_rule, verify
-from engine.transfer import to_device
+from engine.utils.transfer import to_device
 from kvcache.manager import slot_mapping
 from kvcache.tensors import PagedKV, move_slots
 
@@ -94,9 +94,9 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.generators: dict[str, torch.Generator] = {}  # per seeded request, kept across preemption
         self._grammar_masks: dict[str, torch.Tensor] = {}  # this step's, see execute
-        self.fault_hook = None  # tests: called as hook(stage, request_ids); see engine.faults
+        self.fault_hook = None  # tests: called as hook(stage, request_ids); see engine.utils.faults
         self.feature_layers: tuple[int, ...] = ()  # the drafter's (Drafter.feature_layers)
-        self.bucketed = None  # engine.cuda_graphs.BucketedForward: decodes and chains on static buffers
+        self.bucketed = None  # engine.worker.cuda_graphs.BucketedForward: decodes and chains on static buffers
         torch.manual_seed(seed)
 
     def free(self, request_id: str) -> None:
@@ -110,7 +110,7 @@ class ModelRunner:
     ) -> RunnerOutput:
         """One step. ``grammar_masks``: request id -> the grammar's bitmask rows of a structured
         request that samples, [k + 1, ceil(vocab / 32)] int32, row p after its first p drafts
-        (``engine.sampler.grammar_bitmask``)."""
+        (``engine.worker.sampler.grammar_bitmask``)."""
         self._apply_changes(out)
         self._grammar_masks = grammar_masks or {}
         drafts = drafts or {}

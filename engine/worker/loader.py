@@ -4,7 +4,7 @@ Weights are read only through safetensors or GGUF, never through pickle. Under
 tensor parallelism each rank loads only its shard: from safetensors every layer
 slices the memory-mapped file lazily (``get_slice``), so a rank reads its own
 rows and columns and never holds the full model. A GGUF file is memory-mapped
-(``engine.gguf_file``): its quantized tensors stay in their blocks, the linear
+(``engine.worker.gguf_file``): its quantized tensors stay in their blocks, the linear
 layers' and the embedding's weights staying on meta (``quant.load_rows``), each rank
 copying out its own rows (columns by whole blocks), unless ``quantization`` is
 "none", the C kernels are off, or the model does not run in float32 on the CPU:
@@ -18,13 +18,13 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer
 
-from engine import gguf_file
-from engine.gguf_file import CheckpointError
+from engine.worker import gguf_file
+from engine.worker.gguf_file import CheckpointError
 from engine.layers import quant
 from engine.layers.linear import PackedLinear, VocabParallelEmbedding
 from engine.models.decoder import LlamaForCausalLM
 from engine.models.registry import arch_of
-from engine.parallel import SINGLE, TPGroup
+from engine.layers.parallel import SINGLE, TPGroup
 
 
 def load_config(path: Path):

@@ -29,7 +29,7 @@ masked would make the cut inexact (tests/spec/test_grammar_distribution.py shows
 that the chi-square test catches it).
 
 The matcher of a request advances only with committed tokens (``accept``, from
-``engine.stop.append_tokens``); masks of drafted prefixes accept the drafts,
+``engine.core.stop.append_tokens``); masks of drafted prefixes accept the drafts,
 fill, and roll back. A request ends with finish_reason "stop" when its grammar
 is complete and nothing but a stop token may follow (or a stop token was taken).
 """
@@ -43,7 +43,7 @@ from collections.abc import Sequence
 import torch
 import xgrammar as xgr
 
-from engine.sampler import unpack_bitmask
+from engine.worker.sampler import unpack_bitmask
 from engine.sampling_params import GuidedDecoding, InvalidParameter
 
 CACHE_SIZE = 128  # compiled grammars kept (least recently used dropped first)
