@@ -37,6 +37,7 @@ from bench.sse_client import chat_body, stream_chat
 METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_max": 8},
     "early_exit": {"method": "early_exit", "num_speculative_tokens": 4},
+    "suffix": {"method": "suffix"},  # vLLM's defaults (docs/speculation.md)
 }
 FLOOR = 0.97  # speculation on / off below this is a loss
 
