@@ -127,13 +127,14 @@ def machine() -> str:
 
 
 def commit() -> str:
-    """The checkout's commit, marked when the working tree has uncommitted changes."""
+    """The checkout's commit, marked when the working tree has uncommitted changes to anything
+    but benchmark results (bench/results, docs/benchmarks.md: other runs' outputs, not code)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
 
     try:
         sha = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results", ":!docs/benchmarks.md")
     except (OSError, subprocess.SubprocessError):
         return "unknown (no git)"
     return f"{sha} with uncommitted changes" if dirty else sha or "unknown"
