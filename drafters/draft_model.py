@@ -121,8 +121,8 @@ class ModelDrafter(SamplingDrafter):
         self._cached(slot.request)
         return self.kv.allocate_slots(slot.request.request_id, slot.request.num_tokens + len(template_of(slot)))
 
-    def _tree_forward(self, trees: list[GrowingTree], depth: int) -> list[torch.Tensor]:
-        """Logits after each node of ``depth - 1`` (the root at 0) of every tree: one
+    def _tree_forward(self, trees: list[GrowingTree], depth: int) -> torch.Tensor:
+        """Logits [rows, vocab] after each node of ``depth - 1`` (the root at 0) of every tree: one
         forward over the committed tokens not yet cached (at depth 0) and the tree's nodes
         not in the cache (``GrowingTree.unfed``: node ``i`` sits at offset ``L0 + i``)."""
         specs, ids, positions, rows, start = [], [], [], [], 0
@@ -136,7 +136,7 @@ class ModelDrafter(SamplingDrafter):
                                  None if tree.is_chain(fed) else fed))
             ids.extend(feed + g.token_ids[first:])
             positions.extend((len(cached) + first + tree.depths(fed)).tolist())
-            rows.append([start + len(feed) + n - first for n in g.level(depth)])
+            rows.extend(start + len(feed) + n - first for n in g.level(depth))
             start += len(fed)
             cached.extend(feed)
             g.num_fed = len(g.parents)
@@ -144,7 +144,7 @@ class ModelDrafter(SamplingDrafter):
         t = lambda a: to_device(a, self.device, torch.long)  # noqa: E731
         meta = self.build_metadata(specs, self.block_size, self.device)
         hidden = self._hidden(t(ids), t(positions), meta)  # [T, hidden]
-        return [self._logits(hidden[t(r)]) for r in rows]
+        return self._logits(hidden[t(rows)])  # one head pass for every tree
 
     def _cached(self, request: Request) -> list[int]:
         return self.cached.setdefault(request.request_id, [])

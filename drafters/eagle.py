@@ -96,8 +96,8 @@ class EagleDrafter(SamplingDrafter):
         st = self.states[slot.request.request_id]
         return self.kv.allocate_slots(slot.request.request_id, st.num_cached + st.num_pending + len(template_of(slot)))
 
-    def _tree_forward(self, trees: list[GrowingTree], depth: int) -> list[torch.Tensor]:
-        """Draft logits after each node of ``depth - 1`` (the root at 0) of every tree: one
+    def _tree_forward(self, trees: list[GrowingTree], depth: int) -> torch.Tensor:
+        """Draft logits [rows, vocab] after each node of ``depth - 1`` (the root at 0) of every tree: one
         head pass over the pending pairs (depth 0), then over the tree so far (while it is a
         chain, over its nodes not in the cache: ``GrowingTree.unfed``)."""
         live = [g.slot for g in trees]
@@ -108,7 +108,7 @@ class EagleDrafter(SamplingDrafter):
             self._ingested(live, feeds)
             for g, row in zip(trees, last):
                 self.outputs[g.slot.request.request_id] = [row]
-            return list(self.head.draft_logits(last).split(1))
+            return self.head.draft_logits(last)
         feeds, specs, firsts = [], [], []
         for g in trees:
             rid = g.slot.request.request_id
@@ -121,13 +121,12 @@ class EagleDrafter(SamplingDrafter):
             firsts.append(first)
             g.num_fed = len(g.parents)
         out = self._forward_all(live, feeds, specs)  # [sum fed, H]
-        logits, start = [], 0
+        rows, start = [], 0
         for g, (ids, _, _), first in zip(trees, feeds, firsts):
-            rows = out[start : start + len(ids)]
-            self.outputs[g.slot.request.request_id][1 + first :] = list(rows)
-            logits.append(self.head.draft_logits(rows[[n - first for n in g.level(depth)]]))
+            self.outputs[g.slot.request.request_id][1 + first :] = list(out[start : start + len(ids)])
+            rows.extend(start + n - first for n in g.level(depth))
             start += len(ids)
-        return logits
+        return self.head.draft_logits(out[rows])  # one head pass for every tree
 
     def _has_pending(self, rid: str) -> bool:
         st = self.states.get(rid)

@@ -36,8 +36,8 @@ class EarlyExitDrafter(SamplingDrafter):
         self.build_metadata = attention.build_metadata  # the target's backend (``cpu``: one C call a layer)
         self.cost_per_token = _cost_per_token(target, num_layers)
 
-    def _tree_forward(self, trees, depth: int) -> list[torch.Tensor]:
-        """Logits after each node of ``depth - 1`` (the root at 0) of every tree: one
+    def _tree_forward(self, trees, depth: int) -> torch.Tensor:
+        """Logits [rows, vocab] after each node of ``depth - 1`` (the root at 0) of every tree: one
         forward over each request's last committed token and its tree so far, or, past
         depth 0 while the tree is a chain, its nodes not in the cache (``GrowingTree.unfed``)."""
         specs, ids, positions, rows, start = [], [], [], [], 0
@@ -52,13 +52,13 @@ class EarlyExitDrafter(SamplingDrafter):
             specs.append(SeqSpec(base, len(fed), list(g.slot.block_table), mask))
             ids.extend(([] if unfed else [tokens[-1]]) + g.token_ids[first:])
             positions.extend((base + tree.depths(fed)).tolist())
-            rows.append([start + (0 if unfed else 1) + n - first for n in g.level(depth)])
+            rows.extend(start + (0 if unfed else 1) + n - first for n in g.level(depth))
             start += len(fed)
             g.num_fed = len(g.parents)
         t = lambda a: to_device(a, self.device, torch.long)  # noqa: E731
         meta = self.build_metadata(specs, self.block_size, self.device)
         hidden = self.model(t(ids), t(positions), meta, self.target_kv, num_layers=self.num_layers)  # [T, hidden]
-        return [self.model.compute_logits(hidden[t(r)]) for r in rows]
+        return self.model.compute_logits(hidden[t(rows)])  # one head pass for every tree
 
 
 def _cost_per_token(target, num_layers: int) -> float:

@@ -48,23 +48,26 @@ class GrowingTree:
     probs: list[torch.Tensor | None] = field(default_factory=list)  # [vocab] q_i per node; None: greedy (one-hot)
     of_template: list[int] = field(default_factory=list)  # template node of each node
     num_fed: int = 0  # nodes a forward has fed (their KV written), set by the forward
+    depths: list[int] = field(default_factory=list)  # depth of each node (0: a root's child)
+    kids: dict[int, list[int]] = field(default_factory=dict)  # template node (-1: the root) -> its children
+
+    def __post_init__(self):
+        for i, p in enumerate(self.template):
+            self.kids.setdefault(p, []).append(i)
 
     def level(self, depth: int) -> list[int]:
         """The nodes at ``depth - 1`` whose children are drawn at ``depth`` (-1: the root)."""
         if depth == 0:
             return [-1]
-        d = tree.depths(tuple(self.parents))
-        return [i for i in range(len(self.parents)) if d[i] == depth - 1]
+        return [i for i, d in enumerate(self.depths) if d == depth - 1]
 
     def num_children(self, node: int) -> int:
         """Children of ``node``'s template node (-1: the root)."""
-        t = self.of_template[node] if node >= 0 else -1
-        return sum(1 for p in self.template if p == t)
+        return len(self.kids.get(self.of_template[node] if node >= 0 else -1, ()))
 
     def add(self, parent: int, rank: int, token: int, q: torch.Tensor | None) -> None:
-        t_parent = self.of_template[parent] if parent >= 0 else -1
-        kids = [i for i, p in enumerate(self.template) if p == t_parent]
-        self.of_template.append(kids[rank])
+        self.of_template.append(self.kids[self.of_template[parent] if parent >= 0 else -1][rank])
+        self.depths.append(self.depths[parent] + 1 if parent >= 0 else 0)
         self.token_ids.append(token)
         self.parents.append(parent)
         self.probs.append(q)
@@ -113,6 +116,25 @@ def draw_children(q: torch.Tensor, logits: torch.Tensor, greedy: bool, count: in
     return out
 
 
+def draw(q: torch.Tensor, logits: torch.Tensor, greedy: list[bool], counts: list[int], noise: torch.Tensor):
+    """The children of every row (``draw_children`` with its row's count): row by row, or, where
+    every row has one child (a depth of chains), all rows at once. q, logits, noise: [rows, vocab]."""
+    if any(c != 1 for c in counts):
+        return [draw_children(q[r], logits[r], greedy[r], c, noise[r]) for r, c in enumerate(counts)]
+    return [[child] for child in draw_only_children(q, logits, greedy, noise)]
+
+
+def draw_only_children(q: torch.Tensor, logits: torch.Tensor, greedy: list[bool], noise: torch.Tensor):
+    """``draw_children`` with a count of 1, every row at once: per row, its token and the q it
+    was drawn from (None for a greedy row)."""
+    q64 = q.double()
+    race = (q64.log() - noise.double().log()).topk(1).indices[:, 0].tolist()  # [rows]: the race's winner
+    best = logits.topk(1).indices[:, 0].tolist()  # [rows]: a greedy row's token
+    sampled = [i for i, g in enumerate(greedy) if not g]
+    q_sampled = dict(zip(sampled, (q64[sampled] / q64[sampled].sum(-1, keepdim=True)).to(q.dtype)))
+    return [(best[i], None) if g else (race[i], q_sampled[i]) for i, g in enumerate(greedy)]
+
+
 def grow_trees(slots: list[DraftSlot], forward, distributions, generator, device) -> dict[str, Draft]:
     """Trees for ``slots`` (each with a shape), one depth per batched forward.
 
@@ -131,7 +153,7 @@ def grow_trees(slots: list[DraftSlot], forward, distributions, generator, device
         if not live:
             break
         levels = [g.level(depth) for g in live]
-        logits = torch.cat(forward(live, depth))  # [rows, vocab]
+        logits = forward(live, depth)  # [rows, vocab]
         if fast:  # children: the raw logits' top tokens
             _add_top_children(live, levels, logits)
             continue
@@ -139,14 +161,19 @@ def grow_trees(slots: list[DraftSlot], forward, distributions, generator, device
         prefixes = [tuple(_branch(g, n)) for g, lv in zip(live, levels) for n in lv]
         q, penalized = distributions(logits, requests, prefixes)
         noise = exponential_noise(tuple(q.shape), [generator(r) for r in requests], device)
-        row = 0
-        for g, level in zip(live, levels):
-            for node in level:
-                kids = draw_children(q[row], penalized[row], g.slot.request.params.greedy, g.num_children(node), noise[row])
-                for rank, (token, q_i) in enumerate(kids):
-                    g.add(node, rank, token, q_i)
-                row += 1
+        _add_drawn_children(live, levels, q, penalized, noise)
     return {g.slot.request.request_id: g.draft() for g in grows if g.token_ids}
+
+
+def _add_drawn_children(live: list[GrowingTree], levels: list[list[int]], q, penalized, noise) -> None:
+    """Children of every node of ``levels``, drawn from its row of q and the penalized logits [rows, vocab]."""
+    counts = [g.num_children(n) for g, level in zip(live, levels) for n in level]
+    greedy = [g.slot.request.params.greedy for g, level in zip(live, levels) for _ in level]
+    rows = iter(draw(q, penalized, greedy, counts, noise))
+    for g, level in zip(live, levels):
+        for node in level:
+            for rank, (token, q_i) in enumerate(next(rows)):
+                g.add(node, rank, token, q_i)
 
 
 def _add_top_children(live: list[GrowingTree], levels: list[list[int]], logits: torch.Tensor) -> None:

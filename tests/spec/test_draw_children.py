@@ -5,6 +5,7 @@ without replacement, checked by chi-square against the exact probabilities."""
 import numpy as np
 import torch
 
+from drafters import tree_drafting
 from drafters.tree_drafting import draw_children
 from tests.spec.distribution import p_value
 
@@ -57,3 +58,22 @@ def test_a_token_without_mass_is_never_drawn():
         assert len(kids) == 3  # q's support: no more children than that
         for token, q_i in kids:
             assert q[token] > 0 and q_i[token] > 0
+
+
+def test_a_depth_of_chains_draws_each_row_as_draw_children_would():
+    """``draw`` takes every row at once where each has one child: the same token per row as
+    ``draw_children`` alone (so a row never depends on the others), and the same q."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.softmax(torch.randn(6, V, generator=g) * 3, -1)
+    q[2] = tiny_q({1: 1, 2: 3})  # denormal mass
+    q[3, 4:] = 0.0  # top-k'd
+    q[3] /= q[3].sum()
+    logits, noise = torch.randn(6, V, generator=g), torch.empty(6, V).exponential_(generator=g)
+    greedy = [False, True, False, False, True, False]
+    together = tree_drafting.draw(q, logits, greedy, [1] * 6, noise)
+    for r in range(6):
+        [(token, q_r)] = together[r]
+        [(alone, q_alone)] = draw_children(q[r], logits[r], greedy[r], 1, noise[r])
+        assert token == alone and (q_r is None) == (q_alone is None) == greedy[r]
+        if q_r is not None:
+            assert torch.allclose(q_r, q_alone, rtol=1e-6, atol=0) and q[r, token] > 0

@@ -141,16 +141,17 @@ def test_every_kind_of_processing_in_one_adaptive_batch_is_exact():
     assert p_values[-1] == 1.0  # the greedy requests: all on the one path
 
 
-_draw_children = tree_drafting.draw_children
+_draw = tree_drafting.draw
 
 
-def _report_unprocessed_q(q, logits, greedy, count, noise):
+def _report_unprocessed_q(q, logits, greedy, counts, noise):
     """A drafter that samples from its processed q but reports the penalized logits' softmax
     (no temperature, top-k or top-p) as the q of each draft."""
-    return [(t, None if q_i is None else logits.softmax(-1)) for t, q_i in _draw_children(q, logits, greedy, count, noise)]
+    drawn = _draw(q, logits, greedy, counts, noise)
+    return [[(t, None if q_i is None else logits[r].softmax(-1)) for t, q_i in kids] for r, kids in enumerate(drawn)]
 
 
 def test_the_processing_test_catches_a_q_other_than_the_one_sampled(monkeypatch):
-    monkeypatch.setattr(tree_drafting, "draw_children", _report_unprocessed_q)
+    monkeypatch.setattr(tree_drafting, "draw", _report_unprocessed_q)
     p_values = processing_run()
     assert p_values[0] < 1e-3  # top-k: the reported q puts mass where the draft never samples
