@@ -110,6 +110,12 @@ class RotaryEmbedding(nn.Module):
         """positions [T] -> (cos, sin), each [T, 1, head_dim], computed once per step."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
+    def halves(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin), each [T, head_dim // 2] contiguous in the table's dtype: the
+        table flash-attn's ``apply_rotary`` reads (row t for the step's token t; both halves repeat it)."""
+        half = self.cos.shape[1] // 2
+        return self.cos[:, :half][positions], self.sin[:, :half][positions]
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D] (queries and keys side by side) -> rotated x."""

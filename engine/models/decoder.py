@@ -15,6 +15,9 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.attention.varlen_backend import flash_kernel
+from engine.attention.varlen_metadata import VarlenMetadata
+from engine.layers import flash_ops
 from engine.layers.cpu_decoder import FusedLayers
 from engine.layers.linear import (
     ColumnParallelLinear,
@@ -56,8 +59,9 @@ class LlamaAttention(nn.Module):
         self.window, self.scale, self.softcap = arch.windows[layer_idx], arch.attn_scale, arch.attn_softcap
         self.rope_kind = arch.rope_kinds[layer_idx]
 
-    def forward(self, ropes: dict, hidden, meta: AttentionMetadata, kv_cache):
-        """hidden [T, hidden] -> [T, hidden]; ``ropes``: rope kind -> (cos, sin) of the step."""
+    def forward(self, ropes: dict, hidden, meta: AttentionMetadata, kv_cache, ops: flash_ops.FlashOps | None = None):
+        """hidden [T, hidden] -> [T, hidden]; ``ropes``: rope kind -> (cos, sin) of the step
+        (their halves [T, D / 2] with ``ops``, flash-attn's fused kernels: ``fused_ops``)."""
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 * KVH) * D]
         qk = qkv[:, : self.q_size + self.kv_size]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
@@ -66,7 +70,10 @@ class LlamaAttention(nn.Module):
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head":
             qk = torch.cat([self.q_norm.heads(qk[:, : self.num_heads]), self.k_norm.heads(qk[:, self.num_heads :])], 1)
-        qk = apply_rotary(qk, *ropes[self.rope_kind])  # queries and keys rotated in one go
+        if ops is None:
+            qk = apply_rotary(qk, *ropes[self.rope_kind])  # queries and keys rotated in one go
+        else:  # one kernel; the step's tokens as one sequence whose row t is token t's rope
+            qk = ops.apply_rotary(qk.unsqueeze(0), *ropes[self.rope_kind])[0]
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = paged_attention(q, k, v, kv_cache.layer(self.layer_idx), meta, window=self.window, scale=self.scale,
                               softcap=self.softcap)  # [T, H, D]
@@ -110,12 +117,32 @@ class LlamaDecoderLayer(nn.Module):
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 
     def forward(self, ropes, hidden, meta, kv_cache):
-        attn = self.self_attn(ropes, self.input_layernorm(hidden), meta, kv_cache)
+        ops = fused_ops(meta)
+        if ops is not None and not self.sandwich:
+            return self._fused(ops, ropes, hidden, meta, kv_cache)
+        attn = self.self_attn(ropes, self.input_layernorm(hidden), meta, kv_cache, ops)
         if not self.sandwich:
             hidden = hidden + attn
             return hidden + self.mlp(self.post_attention_layernorm(hidden))
         hidden = hidden + self.post_attention_layernorm(attn)
         return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+    def _fused(self, ops: flash_ops.FlashOps, ropes, hidden, meta, kv_cache):
+        """``forward`` through flash-attn's fused kernels: the residual add and the second norm
+        in one, rope in one, SiLU * up in one."""
+        attn = self.self_attn(ropes, self.input_layernorm.flash(ops.rms_norm_fn, hidden), meta, kv_cache, ops)
+        normed, hidden = self.post_attention_layernorm.flash(ops.rms_norm_fn, attn, hidden)  # hidden + attn, normed
+        mlp = self.mlp(normed, ops.swiglu) if isinstance(self.mlp, LlamaMLP) else self.mlp(normed)
+        return hidden + mlp
+
+
+def fused_ops(meta) -> flash_ops.FlashOps | None:
+    """flash-attn's fused kernels when the step runs on the flash_attn backend (where flash-attn
+    loads, on CUDA in fp16/bf16), else None: the other backends keep the torch and C paths."""
+    if isinstance(meta, VarlenMetadata) and meta.kernel is flash_kernel:
+        return flash_ops.load()
+    return None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -158,7 +185,10 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if self.arch.embed_scale is not None:
             hidden = hidden * torch.tensor(self.arch.embed_scale, dtype=hidden.dtype, device=hidden.device)
-        ropes = {kind: rotary(positions, hidden.dtype) for kind, rotary in self.rotaries.items()}
+        if fused_ops(meta) is None:
+            ropes = {kind: rotary(positions, hidden.dtype) for kind, rotary in self.rotaries.items()}
+        else:  # flash-attn's rotary kernel reads half tables
+            ropes = {kind: rotary.halves(positions) for kind, rotary in self.rotaries.items()}
         fused = None if self.fused is None else self.fused.step(hidden, ropes, meta)  # each layer one C call
         taken = {}
         for i, layer in enumerate(self.layers):  # not self.layers[:num_layers]: slicing builds a new ModuleList each step
