@@ -93,6 +93,7 @@ def real_flash_attn():
             assert flash_attn.__version__ == VERSION and Path(flash_attn.__file__).is_relative_to(path)
             _LOADED.update({k: v for k, v in sys.modules.items() if _is_flash(k)})
         sys.modules.update(_LOADED)
+        flash_ops_standin.reset()  # a new process: no kernel compiled yet
         with contextlib.ExitStack() as stack:
             for (obj, name), standin in flash_ops_standin.patches().items():
                 stack.enter_context(mock.patch.object(obj, name, standin, create=True))

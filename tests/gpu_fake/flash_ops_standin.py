@@ -9,6 +9,13 @@ harness both land here (``patches``): each launch is one op, ``fake_cuda::launch
 computes what the kernel computes from the pointers, strides and flags it is given
 (float32 inside, stored in each output's dtype). A kernel or a flag it does not model
 raises, as does a launch on CPU tensors ("cannot be accessed from Triton").
+
+Compilation: a kernel compiles (and an autotuned one benchmarks its configs, syncing) the
+first time it meets a specialization: its constexprs, each int argument's being 1 or a
+multiple of 16, each pointer's 16-byte alignment (the jiterator: its dtypes). A first
+launch inside a CUDA graph capture raises ``GraphUnsafe``, as the capture would fail on a
+GPU: every shape must have run eagerly first. ``reset()`` forgets what was compiled (a new
+process), which ``real_flash_attn`` does on entry.
 """
 
 import inspect
@@ -17,9 +24,16 @@ import json
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from tests.gpu_fake import fake_graphs
+from tests.gpu_fake.fake_graphs import FakeGraph, GraphUnsafe
 from tests.gpu_fake.fake_ops import FakeCudaMode
 
 launches: list[str] = []  # kernel names, in launch order, for the tests
+_compiled: set = set()  # the specializations compiled so far (``_compile``)
+
+
+def reset() -> None:
+    _compiled.clear()
 
 
 @torch.library.custom_op("fake_cuda::launch", mutates_args=("tensors",))
@@ -50,8 +64,31 @@ def _launch_op(name: str, args: dict) -> None:
                f"Pointer argument ({key}) cannot be accessed from Triton (cpu tensor?)")
     spec = {k: v for k, v in args.items() if not isinstance(v, torch.Tensor)}
     spec["_tensors"] = {k: i for i, k in enumerate(tensors)}
+    _compile(name, args)
     launches.append(name)
     torch.ops.fake_cuda.launch(name, list(tensors.values()), json.dumps(spec))
+
+
+def _specialization(name: str, args: dict) -> tuple:
+    """What the kernel is compiled for (see the module doc); the grid is not part of it."""
+    def key(v):
+        if isinstance(v, torch.Tensor):
+            return (v.dtype, v.storage_offset() * v.element_size() % 16 == 0)  # allocations are 256-byte aligned
+        if isinstance(v, int) and not isinstance(v, bool):
+            return (v == 1, v % 16 == 0)
+        return "float" if isinstance(v, float) else v
+
+    return (name, *((k, key(v)) for k, v in args.items() if k != "_grid"))
+
+
+def _compile(name: str, args: dict) -> None:
+    specialization = _specialization(name, args)
+    if specialization in _compiled:
+        return
+    if any(isinstance(getattr(listener, "__self__", None), FakeGraph) for listener in fake_graphs._listeners):
+        raise GraphUnsafe(f"the captured region compiles {name} for a specialization not run before the capture "
+                          "(Triton compiles and autotunes on first launch): run every shape eagerly first")
+    _compiled.add(specialization)
 
 
 def _at_top() -> bool:

@@ -20,6 +20,7 @@ from kvcache.tensors import KVSpec, PagedKV
 from tests.gpu_fake import flash_ops_standin
 from tests.gpu_fake.engines import TINY, cuda_engine, cuda_model, run
 from tests.gpu_fake.fake_cuda import fake_cuda, value
+from tests.gpu_fake.fake_graphs import GraphUnsafe
 from tests.gpu_fake.flash_attn_sdist import real_flash_attn
 
 BF16_TOL = 3e-2
@@ -119,3 +120,16 @@ def test_replay_reruns_the_fused_kernels():
             bucket = graphs.bucket_for(specs)
             replayed = value(graphs.forward(bucket, specs, np.array(ids))).clone()
             assert torch.equal(replayed, value(eager.forward(bucket, specs, np.array(ids))))
+
+
+def test_a_kernel_compiled_inside_a_capture_is_caught(ops):
+    """Triton compiles a kernel on its first launch of a specialization: inside a CUDA graph
+    capture that fails on a GPU, and under the harness; run eagerly first, it captures."""
+    x = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16)  # one row: a specialization of its own
+    w = torch.ones(64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(GraphUnsafe, match="compiles _layer_norm_fwd_1pass_kernel"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            ops.rms_norm_fn(x, w, None)
+    ops.rms_norm_fn(x, w, None)
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        ops.rms_norm_fn(x, w, None)
