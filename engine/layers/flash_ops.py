@@ -11,8 +11,11 @@ the torch and C paths.
 """
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Callable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ def load() -> FlashOps | None:
         from flash_attn.ops.activations import swiglu
         from flash_attn.ops.triton.layer_norm import rms_norm_fn
         from flash_attn.ops.triton.rotary import apply_rotary
-    except Exception:  # noqa: BLE001 - ImportError, a Triton that does not load: the torch path then
+    except Exception as e:  # noqa: BLE001 - ImportError, a Triton that does not load: the torch path then
+        log.warning("flash-attn's fused ops do not load (%s: %s): the layers run torch's ops", type(e).__name__, e)
         return None
     return FlashOps(rms_norm_fn, apply_rotary, swiglu)
