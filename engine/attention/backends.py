@@ -13,7 +13,9 @@ runs the forward of the backend that built ``meta``.
 ``torch_varlen``        flash-attn's layout and tree split with a torch kernel
                         (``varlen_backend.torch_kernel``): the CUDA fallback
 ``flash_attn``          flash-attn 2.x varlen over the paged cache
-                        (``varlen_backend.flash_kernel``); KV blocks of 256 tokens
+                        (``varlen_backend.flash_kernel``); KV blocks of 256 tokens;
+                        steps of chains of one length through
+                        ``flash_attn_with_kvcache`` (``varlen_backend.kvcache_attention``)
 ``auto``                flash_attn on CUDA in fp16/bf16 when flash-attn imports,
                         else torch_varlen on CUDA, cpu in float32 where the
                         kernels build, else torch
@@ -52,7 +54,7 @@ TORCH_VARLEN = AttentionBackend(
     "torch_varlen", partial(build_varlen_metadata, kernel=varlen_backend.torch_kernel, split_by_query_len=True)
 )
 FLASH_ATTN = AttentionBackend(
-    "flash_attn", partial(build_varlen_metadata, kernel=varlen_backend.flash_kernel),
+    "flash_attn", partial(build_varlen_metadata, kernel=varlen_backend.flash_kernel, kvcache=True),
     varlen_backend.FLASH_BLOCK_SIZE_MULTIPLE,
 )
 BACKENDS = {b.name: b for b in (TORCH, CPU, TORCH_VARLEN, FLASH_ATTN)}

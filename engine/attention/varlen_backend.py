@@ -17,7 +17,7 @@ own nodes through ``masked_attention_lse``, merged by ``merge_attention``.
 import torch
 
 from engine.attention.lse import masked_attention_lse, merge_attention
-from engine.attention.varlen_metadata import VarlenGroup, VarlenMetadata
+from engine.attention.varlen_metadata import KVCacheStep, VarlenGroup, VarlenMetadata
 
 # flash-attn's paged KV (``block_table``) requires page_block_size % 256 == 0
 # (csrc/flash_attn/flash_api.cpp, mha_varlen_fwd and mha_fwd_kvcache, v2.8.3).
@@ -88,6 +88,26 @@ def flash_kernel(q, k_cache, v_cache, g: VarlenGroup, scale: float, softcap: flo
         return_attn_probs=True, block_table=g.block_table,
     )
     return out, lse.transpose(0, 1)  # flash's softmax_lse is [H, num_q]
+
+
+def kvcache_attention(q, k, v, kv_layer, step: KVCacheStep, cos, sin, window: int | None = None,
+                      scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+    """q [T, H, D], k and v [T, KVH, D], not yet rotated -> [T, H, D]: rope on q and k, the K/V
+    append at ``step.cache_seqlens`` and causal attention in one ``flash_attn_with_kvcache``
+    call. ``cos``/``sin``: the rope's half tables [rows, D / 2] in q's dtype, rows at least the
+    block table's reach; token i of a request sits at position context_len + i. NEVER RUN on a
+    GPU in this project: its arguments follow flash_attn_interface.py (v2.8.3)."""
+    from flash_attn import flash_attn_with_kvcache
+
+    k_cache, v_cache = kv_layer
+    b, m = step.cache_seqlens.shape[0], step.query_len
+    out = flash_attn_with_kvcache(
+        q.view(b, m, *q.shape[1:]), k_cache, v_cache, k=k.view(b, m, *k.shape[1:]), v=v.view(b, m, *v.shape[1:]),
+        rotary_cos=cos, rotary_sin=sin, cache_seqlens=step.cache_seqlens, block_table=step.block_table,
+        softmax_scale=scale, causal=True, window_size=(window - 1, 0) if window else (-1, -1),
+        softcap=softcap or 0.0, rotary_interleaved=False,
+    )  # [b, m, H, D]
+    return out.view(q.shape)
 
 
 def torch_kernel(q, k_cache, v_cache, g: VarlenGroup, scale: float, softcap: float | None = None):

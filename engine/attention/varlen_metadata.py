@@ -69,6 +69,16 @@ class TreePart:
     has_prefix: torch.Tensor  # [num_nodes] bool: the node sees some committed key (it is in a tree_prefixes group)
 
 
+@dataclass
+class KVCacheStep:
+    """A step of chains of one length (decodes; verifications of equally many drafts) in
+    ``flash_attn_with_kvcache``'s layout: rope, the K/V append and attention in one call."""
+
+    cache_seqlens: torch.Tensor  # [batch] int32: each request's context_len, where its new tokens go
+    block_table: torch.Tensor  # [batch, max_blocks] int32
+    query_len: int  # new tokens of every request
+
+
 # (q [num_q, H, D], k_cache, v_cache, group, scale) -> (out [num_q, H, D], lse [num_q, H] float32)
 Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -85,6 +95,7 @@ class VarlenMetadata:
     split_by_query_len: bool = False
     window: int | None = None
     windowed: dict = field(default_factory=dict)  # window -> this step's metadata for it (``for_window``)
+    kvcache: KVCacheStep | None = None  # set where the backend takes such a step in one call (flash_attn)
 
     def for_window(self, window: int | None) -> "VarlenMetadata":
         """This step's metadata for layers that see the last ``window`` positions (built once)."""
@@ -168,10 +179,11 @@ def _chain_groups(specs: list[SeqSpec], split_by_query_len: bool) -> list[list[i
 
 def build_varlen_metadata(
     specs: list[SeqSpec], block_size: int, device, kernel: Kernel, split_by_query_len: bool = False,
-    window: int | None = None,
+    window: int | None = None, kvcache: bool = False,
 ) -> VarlenMetadata:
     """Metadata for a step whose flat tokens are ``specs`` in order; ``window``: for layers
-    that see the last ``window`` positions."""
+    that see the last ``window`` positions; ``kvcache``: also ``KVCacheStep`` where the step
+    is chains of one length."""
     starts = np.concatenate([[0], np.cumsum([s.query_len for s in specs])]).tolist()
     new_slots = np.concatenate(  # [num_tokens]
         [slot_mapping(s.block_table, s.context_len, s.context_len + s.query_len, block_size) for s in specs]
@@ -189,5 +201,9 @@ def build_varlen_metadata(
         sub, sub_starts = [specs[i] for i in trees], [starts[i] for i in trees]
         tree_prefixes, has_prefix = _tree_prefixes(sub, sub_starts, block_size, device, window)
         tree = _tree_part(sub, sub_starts, device, window, has_prefix)
-    return VarlenMetadata(to_device(new_slots, device), kernel, groups, tree_prefixes, tree, list(specs),
+    meta = VarlenMetadata(to_device(new_slots, device), kernel, groups, tree_prefixes, tree, list(specs),
                           block_size, split_by_query_len, window)
+    if kvcache and not trees and len(groups) == 1 and len({s.query_len for s in specs}) == 1:
+        seqlens = to_device(np.array([s.context_len for s in specs], dtype=np.int32), device)
+        meta.kvcache = KVCacheStep(seqlens, groups[0].block_table, specs[0].query_len)
+    return meta

@@ -23,10 +23,13 @@ class LlamaMLP(nn.Module):
                                                  full_sizes=[intermediate, intermediate])
         self.down_proj = RowParallelLinear(intermediate, hidden, tp, part, bias=bias, reduce=reduce)
 
-    def forward(self, x):
+    def forward(self, x, swiglu=None):
+        """x [T, hidden] -> [T, hidden]; ``swiglu``: flash-attn's fused SiLU * up (``flash_ops``), or None."""
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
         if self.activation == "silu" and cpu_kernels.usable(gate_up):
             return self.down_proj(cpu_kernels.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
+        if swiglu is not None and self.activation == "silu":
+            return self.down_proj(swiglu(gate, up))  # one kernel
         act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
         return self.down_proj(act * up)

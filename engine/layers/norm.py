@@ -27,6 +27,12 @@ class RMSNorm(nn.Module):
         """x [T, n, D] -> each of the n head vectors normed (the weight is [D]; Qwen3's q/k norms)."""
         return self(x.reshape(-1, x.shape[-1])).view(x.shape)
 
+    def flash(self, rms_norm_fn, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """flash-attn's fused norm (``engine.layers.flash_ops``), one kernel: x [T, hidden] ->
+        normed x; with ``residual`` [T, hidden], (normed(x + residual), x + residual), the norm
+        taken of the float32 sum and the sum returned in residual's dtype."""
+        return rms_norm_fn(x, self.weight, None, residual=residual, prenorm=residual is not None, eps=self.eps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             if x.dim() == 2 and cpu_kernels.usable(x):

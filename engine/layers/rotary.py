@@ -12,6 +12,7 @@ from that position on.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import cpu_kernels
@@ -105,10 +106,29 @@ class RotaryEmbedding(nn.Module):
             cos, sin = rope_table(config, head_dim, max_positions, kind)
         self.register_buffer("cos", cos.to(device), persistent=False)
         self.register_buffer("sin", sin.to(device), persistent=False)
+        self._half_tables: dict = {}  # dtype -> (cos, sin) halves for flash-attn's kvcache call (``half_table``)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, sin), each [T, 1, head_dim], computed once per step."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    def halves(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin), each [T, head_dim // 2] contiguous in the table's dtype: the
+        table flash-attn's ``apply_rotary`` reads (row t for the step's token t; both halves repeat it)."""
+        half = self.cos.shape[1] // 2
+        return self.cos[:, :half][positions], self.sin[:, :half][positions]
+
+    def half_table(self, dtype: torch.dtype, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [at least rows, head_dim // 2] contiguous in ``dtype``: the whole table
+        as ``flash_attn_with_kvcache`` reads it (at least its cache's reach in rows; those past the
+        table are zeros, never read). Made once per dtype (regrown for more rows), on the first
+        step: before any CUDA graph capture, which runs every shape eagerly first."""
+        cached = self._half_tables.get(dtype)
+        if cached is None or cached[0].shape[0] < rows:
+            half, pad = self.cos.shape[1] // 2, max(0, rows - self.cos.shape[0])
+            cached = tuple(F.pad(t[:, :half], (0, 0, 0, pad)).to(dtype).contiguous() for t in (self.cos, self.sin))
+            self._half_tables[dtype] = cached
+        return cached
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,9 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.attention.varlen_backend import flash_kernel, kvcache_attention
+from engine.attention.varlen_metadata import KVCacheStep, VarlenMetadata
+from engine.layers import flash_ops
 from engine.layers.cpu_decoder import FusedLayers
 from engine.layers.linear import (
     ColumnParallelLinear,
@@ -56,8 +59,27 @@ class LlamaAttention(nn.Module):
         self.window, self.scale, self.softcap = arch.windows[layer_idx], arch.attn_scale, arch.attn_softcap
         self.rope_kind = arch.rope_kinds[layer_idx]
 
-    def forward(self, ropes: dict, hidden, meta: AttentionMetadata, kv_cache):
-        """hidden [T, hidden] -> [T, hidden]; ``ropes``: rope kind -> (cos, sin) of the step."""
+    def forward(self, ropes: dict, hidden, meta: AttentionMetadata, kv_cache, ops: flash_ops.FlashOps | None = None):
+        """hidden [T, hidden] -> [T, hidden]; ``ropes``: rope kind -> the step's rope
+        (``LlamaForCausalLM.ropes``); ``ops``: flash-attn's fused kernels (``fused_ops``) or None."""
+        qk, v = self._qkv(hidden)  # [T, H + KVH, D], [T, KVH, D]
+        kv_layer, rope = kv_cache.layer(self.layer_idx), ropes[self.rope_kind]
+        step = kvcache_step(meta, ops, self.head_dim)
+        if step is not None:  # rope, the KV write and attention in one call
+            out = kvcache_attention(qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_layer, step, *rope,
+                                    window=self.window, scale=self.scale, softcap=self.softcap)
+        else:
+            if ops is None:
+                qk = apply_rotary(qk, *rope)  # queries and keys rotated in one go
+            else:  # one kernel; the step's tokens as one sequence whose row t is token t's rope
+                qk = ops.apply_rotary(qk.unsqueeze(0), *rope)[0]
+            out = paged_attention(qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_layer, meta,
+                                  window=self.window, scale=self.scale, softcap=self.softcap)  # [T, H, D]
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+    def _qkv(self, hidden):
+        """hidden [T, hidden] -> (queries and keys [T, H + KVH, D] normed where the family norms
+        them, not yet rotated; values [T, KVH, D])."""
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 * KVH) * D]
         qk = qkv[:, : self.q_size + self.kv_size]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
@@ -66,11 +88,7 @@ class LlamaAttention(nn.Module):
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head":
             qk = torch.cat([self.q_norm.heads(qk[:, : self.num_heads]), self.k_norm.heads(qk[:, self.num_heads :])], 1)
-        qk = apply_rotary(qk, *ropes[self.rope_kind])  # queries and keys rotated in one go
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = paged_attention(q, k, v, kv_cache.layer(self.layer_idx), meta, window=self.window, scale=self.scale,
-                              softcap=self.softcap)  # [T, H, D]
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return qk, v
 
 
 class ShardedRMSNorm(nn.Module):
@@ -110,12 +128,40 @@ class LlamaDecoderLayer(nn.Module):
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 
     def forward(self, ropes, hidden, meta, kv_cache):
-        attn = self.self_attn(ropes, self.input_layernorm(hidden), meta, kv_cache)
+        ops = fused_ops(meta)
+        if ops is not None and not self.sandwich:
+            return self._fused(ops, ropes, hidden, meta, kv_cache)
+        attn = self.self_attn(ropes, self.input_layernorm(hidden), meta, kv_cache, ops)
         if not self.sandwich:
             hidden = hidden + attn
             return hidden + self.mlp(self.post_attention_layernorm(hidden))
         hidden = hidden + self.post_attention_layernorm(attn)
         return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+    def _fused(self, ops: flash_ops.FlashOps, ropes, hidden, meta, kv_cache):
+        """``forward`` through flash-attn's fused kernels: the residual add and the second norm
+        in one, rope in one, SiLU * up in one."""
+        attn = self.self_attn(ropes, self.input_layernorm.flash(ops.rms_norm_fn, hidden), meta, kv_cache, ops)
+        normed, hidden = self.post_attention_layernorm.flash(ops.rms_norm_fn, attn, hidden)  # hidden + attn, normed
+        mlp = self.mlp(normed, ops.swiglu) if isinstance(self.mlp, LlamaMLP) else self.mlp(normed)
+        return hidden + mlp
+
+
+def kvcache_step(meta, ops: flash_ops.FlashOps | None, head_dim: int) -> KVCacheStep | None:
+    """The step as one ``flash_attn_with_kvcache`` call a layer (chains of one length on the
+    flash_attn backend, with the fused kernels), or None. Its rotary takes head dims divisible by 16."""
+    if ops is None or head_dim % 16:
+        return None
+    return meta.kvcache
+
+
+def fused_ops(meta) -> flash_ops.FlashOps | None:
+    """flash-attn's fused kernels when the step runs on the flash_attn backend (where flash-attn
+    loads, on CUDA in fp16/bf16), else None: the other backends keep the torch and C paths."""
+    if isinstance(meta, VarlenMetadata) and meta.kernel is flash_kernel:
+        return flash_ops.load()
+    return None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -158,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if self.arch.embed_scale is not None:
             hidden = hidden * torch.tensor(self.arch.embed_scale, dtype=hidden.dtype, device=hidden.device)
-        ropes = {kind: rotary(positions, hidden.dtype) for kind, rotary in self.rotaries.items()}
+        ropes = self.ropes(positions, hidden.dtype, meta)
         fused = None if self.fused is None else self.fused.step(hidden, ropes, meta)  # each layer one C call
         taken = {}
         for i, layer in enumerate(self.layers):  # not self.layers[:num_layers]: slicing builds a new ModuleList each step
@@ -175,6 +221,19 @@ class LlamaForCausalLM(nn.Module):
             return hidden
         taken[len(self.layers)] = hidden
         return hidden, torch.cat([taken[i] for i in capture], dim=-1)
+
+    def ropes(self, positions, dtype: torch.dtype, meta) -> dict:
+        """Rope kind -> the step's (cos, sin): [T, 1, D] in ``dtype``; with flash-attn's fused
+        kernels their halves [T, D / 2]; for a ``kvcache_step`` the whole half tables [rows, D / 2],
+        read at each request's context_len + i (``positions`` is that for every chain the runner feeds)."""
+        ops = fused_ops(meta)
+        step = kvcache_step(meta, ops, self.arch.head_dim)
+        if step is not None:
+            rows = step.block_table.shape[1] * meta.block_size  # the cache's reach
+            return {kind: rotary.half_table(dtype, rows) for kind, rotary in self.rotaries.items()}
+        if ops is not None:
+            return {kind: rotary.halves(positions) for kind, rotary in self.rotaries.items()}
+        return {kind: rotary(positions, dtype) for kind, rotary in self.rotaries.items()}
 
     def prepack(self, quantize: tuple[str, str] | None = None) -> None:
         """Weights are final: let the linear layers lay them out for the C matmul (or, without

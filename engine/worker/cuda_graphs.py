@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 def capture_graph(fn, pool):
     """Captures ``fn()`` (its tensors' addresses fixed) as a CUDA graph in memory ``pool``;
     returns (graph, fn's output, which each ``graph.replay()`` rewrites). Run ``fn`` once
-    eagerly before the first capture (``warm_up``): lazy initialisation is not captured."""
+    eagerly before capturing it (``warm_up``): lazy initialisation, and Triton's compiling
+    and autotuning per shape, cannot run inside a capture."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         out = fn()
@@ -82,7 +83,8 @@ class BucketedForward:
         pool = torch.cuda.graph_pool_handle()
         for bucket in self.buckets:
             self._buffers(bucket).fill([], np.zeros(0, np.int64))  # every request a padding one
-        warm_up(lambda: self._run(self.buffers[self.buckets[0]]))
+        for bucket in self.buckets:  # each shape once eagerly: Triton compiles (and autotunes) per shape
+            warm_up(lambda b=self.buffers[bucket]: self._run(b))
         for bucket in self.buckets:  # largest first: the smaller ones reuse its pool
             self.graphs[bucket] = capture_graph(lambda b=self.buffers[bucket]: self._run(b), pool)
         torch.cuda.synchronize(self.device)

@@ -21,7 +21,8 @@ sees unpadded, and with the C kernels (batch invariant) its bits are the same. T
 
 Buffers per bucket (``L`` keys at most per request): ids, positions, slot_mapping [N]
 int64; block_table [2R, L / block_size] int32; cu_seqlens_q, cu_seqlens_k [2R + 1] int32
-(flash-attn's layout); for the ``cpu`` backend's listed metadata start, length [N] and
+(flash-attn's layout); for ``flash_attn``'s decode buckets cache_seqlens [R] int32 (the
+context lengths, ``KVCacheStep``); for the ``cpu`` backend's listed metadata start, length [N] and
 slots [2R * L] int64 (request slot r's list at r * L).
 """
 
@@ -32,7 +33,7 @@ import torch
 
 from engine.attention import varlen_backend
 from engine.attention.metadata import AttentionMetadata, ListedQueries, SeqSpec
-from engine.attention.varlen_metadata import VarlenGroup, VarlenMetadata
+from engine.attention.varlen_metadata import KVCacheStep, VarlenGroup, VarlenMetadata
 
 REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # backend -> the varlen kernel of its bucketed metadata (the cpu backend's is listed, for the C kernel)
@@ -85,6 +86,9 @@ class StepBuffers:
         if self.listed:
             self.host.update(rows=np.arange(n, dtype=np.int64), start=np.zeros(n, np.int64),
                              length=np.zeros(n, np.int64), slots=np.zeros(2 * r * self.max_len, np.int64))
+        self.kvcache = backend == "flash_attn" and bucket.tokens == 1  # decodes: every request slot < R one token
+        if self.kvcache:
+            self.host["cache_seqlens"] = i32(r)
         self.dev = {k: self._alloc(a) for k, a in self.host.items()}
         self.meta = self._metadata(BUCKETED_BACKENDS[backend])
 
@@ -99,7 +103,10 @@ class StepBuffers:
             listed = ListedQueries(d["rows"], d["start"], d["length"], d["slots"])
             return AttentionMetadata(d["slot_mapping"], listed=listed, block_size=self.block_size)
         group = VarlenGroup(None, d["cu_seqlens_q"], d["cu_seqlens_k"], b.tokens, self.max_len, d["block_table"], True)
-        return VarlenMetadata(d["slot_mapping"], kernel, [group], [], None, block_size=self.block_size)
+        meta = VarlenMetadata(d["slot_mapping"], kernel, [group], [], None, block_size=self.block_size)
+        if self.kvcache:  # the step's and the padding requests, R of one token each
+            meta.kvcache = KVCacheStep(d["cache_seqlens"], d["block_table"][: b.requests], 1)
+        return meta
 
     def fill(self, specs: list[SeqSpec], input_ids: np.ndarray) -> None:
         """Writes the step (``specs``: chains of at most ``bucket.tokens``, flat ``input_ids``)
@@ -126,6 +133,8 @@ class StepBuffers:
         h["slot_mapping"][:] = table[req, pos // bs].astype(np.int64) * bs + pos % bs
         h["cu_seqlens_q"][1:] = np.cumsum(qlen)
         h["cu_seqlens_k"][1:] = np.cumsum(ctx + qlen)
+        if self.kvcache:
+            h["cache_seqlens"][:] = ctx[:r]
         if self.listed:
             h["start"][:] = req * self.max_len
             h["length"][:] = pos + 1

@@ -179,6 +179,7 @@ class FakeCuda:
             max_memory_allocated=lambda *_: gpu.peak, memory_reserved=lambda *_: gpu.allocated,
             max_memory_reserved=lambda *_: gpu.peak, reset_peak_memory_stats=gpu.reset_peak, empty_cache=lambda: None,
             Event=Event, Stream=Stream, current_stream=lambda *_: Stream(), stream=lambda *_: contextlib.nullcontext(),
+            device=_DeviceGuard,
         )
 
 
@@ -199,6 +200,10 @@ class _Event:
 
     def elapsed_time(self, end: "_Event") -> float:
         return (end.t - self.t) * 1000.0
+
+
+class _DeviceGuard(contextlib.nullcontext):
+    """``torch.cuda.device(index)``: one device, nothing to switch (a CPU build cannot)."""
 
 
 class _Stream:

@@ -1,10 +1,12 @@
 """flash-attn's real Python interface, fetched at test time, over our checking stand-in.
 
 flash-attn 2.8.3's source distribution comes from PyPI through pip (once; kept under
-``engine.worker.model_store.cache_dir()``), and its ``flash_attn/__init__.py`` and
-``flash_attn_interface.py`` are imported unmodified, with ``flash_attn_2_cuda`` (the
-compiled module they import) being ``tests.gpu_fake.flash_attn_standin``. Nothing of
-flash-attn is committed here. Without network the tests that need it skip, saying so.
+``engine.worker.model_store.cache_dir()``), and its ``flash_attn/__init__.py``,
+``flash_attn_interface.py`` and fused ops (``FILES``) are imported unmodified, with
+``flash_attn_2_cuda`` (the compiled module they import) being
+``tests.gpu_fake.flash_attn_standin`` and their Triton and jiterator kernel launches
+``tests.gpu_fake.flash_ops_standin``'s. Nothing of flash-attn is committed here. Without
+network the tests that need it skip, saying so.
 """
 
 import contextlib
@@ -14,13 +16,17 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
 from engine.worker.model_store import cache_dir
 
 VERSION = "2.8.3"
-FILES = ("flash_attn/__init__.py", "flash_attn/flash_attn_interface.py")
+FILES = ("flash_attn/__init__.py", "flash_attn/flash_attn_interface.py", "flash_attn/ops/__init__.py",
+         "flash_attn/ops/activations.py", "flash_attn/ops/triton/__init__.py", "flash_attn/ops/triton/layer_norm.py",
+         "flash_attn/ops/triton/rotary.py", "flash_attn/utils/__init__.py", "flash_attn/utils/library.py",
+         "flash_attn/utils/torch.py")
 
 
 def interface_dir() -> Path:
@@ -70,8 +76,9 @@ def _is_flash(name: str) -> bool:
 
 @contextlib.contextmanager
 def real_flash_attn():
-    """Inside, ``import flash_attn`` gives flash-attn 2.8.3's own interface over the stand-in."""
-    from tests.gpu_fake import flash_attn_standin
+    """Inside, ``import flash_attn`` gives flash-attn 2.8.3's own interface over the stand-ins
+    (its fused ops import on first use, under ``fake_cuda``: they read the device at import)."""
+    from tests.gpu_fake import flash_attn_standin, flash_ops_standin
 
     path = str(interface_dir())
     saved = {k: v for k, v in sys.modules.items() if _is_flash(k)}
@@ -86,8 +93,13 @@ def real_flash_attn():
             assert flash_attn.__version__ == VERSION and Path(flash_attn.__file__).is_relative_to(path)
             _LOADED.update({k: v for k, v in sys.modules.items() if _is_flash(k)})
         sys.modules.update(_LOADED)
-        yield sys.modules["flash_attn"]
+        flash_ops_standin.reset()  # a new process: no kernel compiled yet
+        with contextlib.ExitStack() as stack:
+            for (obj, name), standin in flash_ops_standin.patches().items():
+                stack.enter_context(mock.patch.object(obj, name, standin, create=True))
+            yield sys.modules["flash_attn"]
     finally:
+        _LOADED.update({k: v for k, v in sys.modules.items() if _is_flash(k)})  # ops imported inside: once
         sys.path.remove(path)
         for k in [k for k in sys.modules if _is_flash(k)]:
             del sys.modules[k]

@@ -12,6 +12,13 @@ a real length (rows left uncomputed), block ids outside the cache. Then it compu
 kernel's contract on the CPU values (float32): bottom-right causal mask, windows,
 softcap, and the kernel's edge behaviour: a row that sees no key gets out 0 and lse +inf.
 Returns ``(out [total_q, H, D], softmax_lse [H, total_q] float32, p, rng_state)``.
+
+``fwd_kvcache`` (``flash_attn_with_kvcache``) likewise follows ``mha_fwd_kvcache``: the
+paged cache with new keys and values, int32 ``seqlens_k`` and ``block_table``, rotary
+tables of q's dtype, contiguous, at least the cache's reach in rows, a rotary dim
+divisible by 16. As one op (``flash_attn_standin::fwd_kvcache``, one kernel to the counts
+and to CUDA graphs) it rotates the new keys (GPT-NeoX halves) and q at their positions
+``seqlens_k + i``, writes the keys and values through ``block_table`` and attends.
 """
 
 import torch
@@ -142,3 +149,108 @@ def varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, 
     out = mode.wrap(torch.cat(outs).to(q.dtype))
     lse = mode.wrap(torch.cat(lses, dim=1).contiguous())
     return out, lse, mode.wrap(torch.empty(0, dtype=q.dtype)), mode.wrap(torch.zeros(2, dtype=torch.int64))
+
+
+@torch.library.custom_op("flash_attn_standin::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
+def _fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 cache_seqlens: torch.Tensor, rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None,
+                 block_table: torch.Tensor, scale: float, causal: bool, left: int, right: int, softcap: float,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One kernel (``mha_fwd_kvcache``'s): the new keys and values rotated and appended at
+    ``cache_seqlens`` through ``block_table``, then q (rotated) over the cache; CPU values."""
+    batch, m, heads, d = q.shape
+    page, n = k_cache.shape[1], k.shape[1]
+    outs, lses = [], []
+    for b in range(batch):
+        c = int(cache_seqlens[b])
+        pos = torch.arange(c, c + n)
+        _check(c + n <= block_table.shape[1] * page, f"sequence {b}: {c + n} keys past its block_table")
+        slots = block_table[b].long()[pos // page] * page + pos % page
+        _check(bool(((slots >= 0) & (slots < k_cache.shape[0] * page)).all()), f"sequence {b}: block ids outside the cache")
+        k_new = k[b] if rotary_cos is None else _rotate(k[b], rotary_cos, rotary_sin, pos)
+        k_cache.flatten(0, 1)[slots] = k_new
+        v_cache.flatten(0, 1)[slots] = v[b]
+        q_pos = pos[:m] if (causal or left >= 0 or right >= 0) else torch.full((m,), c)
+        qb = q[b] if rotary_cos is None else _rotate(q[b], rotary_cos, rotary_sin, q_pos)
+        keys = torch.arange(c + n)
+        kslots = block_table[b].long()[keys // page] * page + keys % page
+        o, lse = _attend(qb, k_cache.flatten(0, 1)[kslots], v_cache.flatten(0, 1)[kslots], scale, causal, left, right,
+                         softcap)
+        outs.append(o.to(q.dtype))
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
+@_fwd_kvcache.register_fake
+def _(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, block_table, scale, causal, left, right, softcap):
+    return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+
+def _rotate(x, cos, sin, pos):
+    """x [n, heads, D] at positions pos [n]: GPT-NeoX halves over the first 2 * cos.shape[1] features,
+    in float32, rounded to x's dtype (the kernel rotates as it loads, stores the cache's dtype)."""
+    half = cos.shape[1]
+    c, s = cos[pos].float()[:, None], sin[pos].float()[:, None]
+    x0, x1, rest = x[..., :half].float(), x[..., half : 2 * half].float(), x[..., 2 * half :].float()
+    return torch.cat([x0 * c - x1 * s, x0 * s + x1 * c, rest], -1).to(x.dtype)
+
+
+def fwd_kvcache(q, kcache, vcache, k_, v_, seqlens_k_, rotary_cos_, rotary_sin_, cache_batch_idx_, leftpad_k_,
+                block_table_, alibi_slopes_, out_, softmax_scale, is_causal, window_size_left, window_size_right,
+                softcap, is_rotary_interleaved, num_splits):
+    """``mha_fwd_kvcache``'s checks (the paged cache with new keys, as the decoder calls it)
+    and contract; out [batch, seqlen_q, H, D], softmax_lse [batch, H, seqlen_q]."""
+    _check(q.is_cuda, f"Expected a CUDA device, got {q.device} (flash-attn's device guard)")
+    _check(q.dtype in (torch.float16, torch.bfloat16), "FlashAttention only support fp16 and bf16 data type")
+    _check(kcache.dtype == q.dtype and vcache.dtype == q.dtype, "query and key must have the same dtype")
+    for name, given in (("cache_batch_idx", cache_batch_idx_), ("leftpad_k", leftpad_k_), ("alibi_slopes", alibi_slopes_),
+                        ("out_", out_)):
+        _check(given is None, f"the stand-in does not model {name}")
+    _check(block_table_ is not None and k_ is not None and v_ is not None and seqlens_k_ is not None,
+           "the stand-in models the paged cache with new keys and seqlens_k")
+    _check_kvcache_inputs(q, kcache, vcache, k_, v_, seqlens_k_, block_table_)
+    if rotary_cos_ is not None:
+        _check_rotary(q, rotary_cos_, rotary_sin_, block_table_.shape[1] * kcache.shape[1], is_rotary_interleaved)
+    causal = is_causal and q.shape[1] > 1  # one query row sees every key either way
+    seqlen_k = block_table_.shape[1] * kcache.shape[1]
+    left = -1 if window_size_left >= seqlen_k else window_size_left
+    right = 0 if causal else (-1 if window_size_right >= seqlen_k else window_size_right)
+    calls.append(dict(kvcache=True, causal=causal, rotary=rotary_cos_ is not None, dtype=q.dtype))
+    return torch.ops.flash_attn_standin.fwd_kvcache(q, kcache, vcache, k_, v_, seqlens_k_, rotary_cos_, rotary_sin_,
+                                                    block_table_, softmax_scale, causal, left, right, softcap)
+
+
+def _check_kvcache_inputs(q, kcache, vcache, k, v, seqlens_k, block_table) -> None:
+    batch, m, heads, d = q.shape
+    for name, t in (("q", q), ("k_cache", kcache), ("v_cache", vcache), ("k", k), ("v", v), ("seqlens_k", seqlens_k),
+                    ("block_table", block_table)):
+        _check(t.is_cuda and t.device == q.device, f"{name} must be on CUDA, on q's device")
+    for t in (q, kcache, vcache, k, v):
+        _check(t.stride(-1) == 1, "Input tensor must have contiguous last dimension")
+    _check(block_table.dtype == torch.int32, "block_table must have dtype torch.int32")
+    _check(block_table.stride(-1) == 1, "block_table must have contiguous last dimension")
+    _check(kcache.shape[1] % 256 == 0, "Paged KV cache block size must be divisible by 256")
+    _check(d <= 256, "FlashAttention forward only supports head dimension at most 256")
+    heads_k = kcache.shape[2]
+    _check(heads % heads_k == 0, "Number of heads in key/value must divide number of heads in query")
+    _check(kcache.shape == vcache.shape == (kcache.shape[0], kcache.shape[1], heads_k, d), "k_cache and v_cache shapes")
+    _check(block_table.dim() == 2 and block_table.shape[0] == batch,
+           "block_table must have shape (batch_size, max_num_blocks_per_seq)")
+    _check(k.dtype == q.dtype and v.dtype == q.dtype, "Key must have the same dtype as query")
+    _check(k.shape == v.shape == (batch, k.shape[1], heads_k, d), "k and v must have shape (batch, seqlen_knew, heads_k, d)")
+    _check(m <= block_table.shape[1] * kcache.shape[1], "If key is supplied, it must have seqlen <= the seqlen of the KV cache")
+    _check(seqlens_k.dtype == torch.int32, "seqlens_k must have dtype int32")
+    _check(seqlens_k.is_contiguous() and seqlens_k.shape == (batch,), "seqlens_k must be contiguous, of shape (batch_size)")
+
+
+def _check_rotary(q, cos, sin, seqlen_k: int, interleaved: bool) -> None:
+    _check(sin is not None, "If rotary cos is provided, rotary sin must also be provided")
+    rotary_dim = cos.shape[1] * 2
+    _check(rotary_dim <= q.shape[-1], "rotary_dim must be <= headdim")
+    _check(rotary_dim % 16 == 0, "Only rotary dimensions divisible by 16 are currently supported")
+    _check(cos.shape[0] >= seqlen_k, "cos/sin seqlen must be at least the seqlen of KV cache")
+    for t in (cos, sin):
+        _check(t.is_cuda and t.shape == cos.shape and t.is_contiguous(),
+               "rotary cos/sin: CUDA, (seqlen_ro, rotary_dim / 2), contiguous")
+        _check(t.dtype == q.dtype, "rotary_cos must have the same dtype as query")
+    _check(not interleaved, "the stand-in models GPT-NeoX halves (rotary_interleaved=False)")
