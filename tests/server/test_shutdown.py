@@ -78,6 +78,7 @@ def test_graceful_shutdown(llm_engine, timeout, finishes):
     wait_idle(llm_engine, timeout=5)
 
 
+@pytest.mark.slow  # multi-process
 def test_sigterm_drains_a_real_server(tmp_path):
     """``specserve serve`` in a subprocess: SIGTERM mid-stream, the stream still ends
     normally, the process exits."""

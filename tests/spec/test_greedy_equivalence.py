@@ -121,7 +121,7 @@ def test_greedy_output_is_unchanged_by_speculation(method, default_engine, promp
         assert got == want, f"prompt {i} ({CATEGORIES[i]}) differs"
 
 
-@pytest.mark.parametrize("method", ["ngram", "early_exit"])
+@pytest.mark.parametrize("method", ["ngram", pytest.param("early_exit", marks=pytest.mark.slow)])
 def test_seeded_sampling_with_speculation_is_reproducible(method, default_engine, prompts, small_draft_model):
     """Reproducible from one engine to the next once the policy's cost is pinned
     (a measured cost may differ between starts, and so may the draft lengths)."""

@@ -185,9 +185,9 @@ def model_tree():
     return ModelDrafter(BigramLM(DRAFT), 1, 3000, 16, torch.float32, torch.device("cpu"), 0.1)
 
 
-SLOW = pytest.mark.slow  # the default suite runs each drafter and each setting once
+SLOW = pytest.mark.slow  # the default suite runs the draft model's sampled trees (suffix's: tests/spec/test_suffix.py)
 TREE_CASES = [
-    pytest.param(ngram_tree, SETTINGS[0], id="ngram-t1.0"),
+    pytest.param(ngram_tree, SETTINGS[0], id="ngram-t1.0", marks=SLOW),
     pytest.param(ngram_tree, SETTINGS[1], id="ngram-t0.7-p0.9", marks=SLOW),
     pytest.param(model_tree, SETTINGS[0], id="draft_model-t1.0", marks=SLOW),
     pytest.param(model_tree, SETTINGS[1], id="draft_model-t0.7-p0.9"),
@@ -201,7 +201,7 @@ def test_sampling_with_trees_emits_the_target_joint(make_drafter, settings, monk
 
 
 @pytest.mark.parametrize("make_drafter", [pytest.param(ngram_tree, id="ngram", marks=SLOW),
-                                          pytest.param(model_tree, id="draft_model")])
+                                          pytest.param(model_tree, id="draft_model", marks=SLOW)])
 def test_power_no_residual_update_between_siblings(make_drafter, monkeypatch):
     monkeypatch.setattr(tree_sampler, "residual_distribution", lambda r, q: r)  # every sibling tried against p
     counts = sampled_run(make_drafter(), SETTINGS[0], monkeypatch)
