@@ -12,8 +12,11 @@ CHAINS = SpeculativeConfig(method="ngram", num_speculative_tokens=3, verify_cost
 TREES = SpeculativeConfig(method="ngram", num_speculative_tokens=3, verify_cost=0.05, tree_width=2, max_tree_nodes=6)
 
 
-@pytest.mark.parametrize("speculative", [CHAINS, TREES], ids=["chains", "trees"])
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("speculative, temperature", [  # the default suite: greedy chains and sampled trees
+    pytest.param(CHAINS, 0.0, id="greedy-chains"), pytest.param(TREES, 1.0, id="sampled-trees"),
+    pytest.param(CHAINS, 1.0, id="sampled-chains", marks=pytest.mark.slow),
+    pytest.param(TREES, 0.0, id="greedy-trees", marks=pytest.mark.slow),
+])
 def test_logprobs_under_speculation(speculative, temperature):
     """Each emitted token, accepted draft or not, has its logprob and top-2 from the row that
     predicted it; on CUDA the chosen tokens must reach the logits' device first."""
@@ -74,7 +77,7 @@ def test_verification_is_timed_from_a_finished_forward(monkeypatch):
         assert starts and all(i > 0 and events[i - 1] == "sync" for i in starts), events
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.slow)])
 def test_a_cuda_engine_never_builds_the_cpu_kernels(monkeypatch, dtype):
     """The C kernels are for the CPU: a GPU server neither compiles nor loads them at start-up."""
     import torch
