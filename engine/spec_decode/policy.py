@@ -47,7 +47,9 @@ before it accepted)``, so that ``a_i = r_1 * ... * r_i``, are kept per request
 and per context class (a 5-token suffix match predicts far better than a
 1-token one), starting from the rates pooled over all requests of that class.
 The policy picks the ``g`` in ``1..num_speculative_tokens`` with the best tokens per
-cost. When even that is below 1 by the request's own record, the rates pooled over all requests
+cost. A round is drafted only when that gain is at least ``MIN_GAIN``, a little over 1
+(a round that merely breaks even by estimated rates and costs risks a loss and wins
+nothing). When the request's own record is below it, the rates pooled over all requests
 of the class (a slower average) have a second say: if drafting pays by them,
 the request drafts as they advise: the request's record, a 0.3-weight average,
 wanders far from a steady rate (at a first-draft acceptance of 0.4, four misses
@@ -86,7 +88,10 @@ from engine.spec_decode.batch_pause import BatchPauses
 
 PRIOR_ACCEPTANCE = 0.5  # acceptance assumed before a request has any history
 EMA = 0.3  # weight of the newest round in a request's acceptance estimate
-POOLED_EMA = 0.05  # ... and in the estimate pooled over all requests
+POOLED_EMA = 0.05  # ... and in the estimate pooled over all requests (a plain mean over its first 20 rounds)
+# The gain a round must promise to be drafted: by the measured costs a round that only breaks
+# even pays nothing, and the costs and rates it is priced by are estimates.
+MIN_GAIN = 1.03
 MIN_PAUSE, MAX_PAUSE = 8, 256  # steps a request stops drafting after drafts did not pay
 
 
@@ -143,6 +148,7 @@ class ClassState:
     pause_len: int = MIN_PAUSE
     probing: bool = False  # first round after a pause: a miss pauses again at once
     siblings: list[list[float]] = field(default_factory=list)  # token trees: rank >= 1 rates per depth (tree_policy)
+    rounds: int = 0  # rounds recorded (the pooled record's learning rate)
 
     def estimate(self) -> list[float]:
         """The rates, with each untested position taking the last tested one's rate (a
@@ -348,11 +354,11 @@ class SpecPolicy:
         v = self._verify_costs(batch, rows, alone)
         num_draft_tokens, gain, template = self._best_round(cs, most, v, c.trees)
         pooled = None if alone else self.pooled.get(key)
-        if gain < 1.0 and pooled is not None:  # the long run's second opinion
+        if gain < MIN_GAIN and pooled is not None:  # the long run's second opinion
             pooled_choice = self._best_round(pooled, most, v, c.trees)
-            if pooled_choice[1] >= 1.0:
+            if pooled_choice[1] >= MIN_GAIN:
                 num_draft_tokens, gain, template = pooled_choice
-        if gain < 1.0:
+        if gain < MIN_GAIN:
             if not cs.probing:
                 return Decision(0, key, pause=True, isolated=alone, fresh=fresh)
             num_draft_tokens, template = 1, None  # a probe after a pause: the cheapest test of whether drafts pay again
@@ -421,7 +427,10 @@ class SpecPolicy:
             return
         st.add_round(num_draft_tokens, num_accepted)
         pooled = self.pooled.setdefault(key, ClassState([PRIOR_ACCEPTANCE] * self.config.num_speculative_tokens))
-        for record, weight in ((cs, EMA), (pooled, POOLED_EMA)):
+        # The pooled record averages its first rounds plainly (the prior counting as one), so
+        # that a class's first few dozen rounds, not the prior, decide whether it pays.
+        pooled.rounds += 1
+        for record, weight in ((cs, EMA), (pooled, max(POOLED_EMA, 1 / (pooled.rounds + 1)))):
             if outcomes is None:
                 record.update(num_draft_tokens, num_accepted, weight)
             else:
