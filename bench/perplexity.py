@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -54,14 +55,19 @@ def ours(quantization: str, ids: list[int], kv_cache_dtype: str = "auto") -> lis
     return [p.logprob for p in out.prompt_logprobs]
 
 
-def llama_cpp(peers: Path, gguf: Path, ids: list[int]) -> list[float] | None:
+def llama_cpp(peers: Path, gguf: Path, ids: list[int]) -> list[float] | str:
+    """llama.cpp's log-probabilities of ids[1:], or why there are none (not installed, or how it died)."""
     python = peers / "venv-llama" / "bin" / "python"
     if not python.exists():
-        return None
+        return f"not installed ({python} is missing)"
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "ids.json").write_text(json.dumps(ids))
-        subprocess.run([str(python), "-c", LLAMA_SCRIPT, str(gguf), f"{tmp}/ids.json", f"{tmp}/out.json"], check=True,
-                       env={**os.environ, "PYTHONPATH": ""})
+        run = subprocess.run([str(python), "-c", LLAMA_SCRIPT, str(gguf), f"{tmp}/ids.json", f"{tmp}/out.json"],
+                             env={**os.environ, "PYTHONPATH": ""}, capture_output=True, text=True)
+        if run.returncode:
+            how = f"signal {signal.Signals(-run.returncode).name}" if run.returncode < 0 else f"exit {run.returncode}"
+            last = run.stderr.strip().splitlines()[-1:]
+            return f"llama-cpp-python died with {how}" + "".join(f": {line}" for line in last)
         return json.loads((Path(tmp) / "out.json").read_text())
 
 
@@ -69,9 +75,9 @@ def perplexity(logprobs: list[float]) -> float:
     return math.exp(-sum(logprobs) / len(logprobs))
 
 
-def measure(tokens: int, peers: Path) -> dict[str, float]:
-    """Perplexity by model: "Q4_1 (ours)", with a bfloat16 KV cache, "float32 (ours)" and, where installed,
-    "Q4_1 (llama.cpp)"."""
+def measure(tokens: int, peers: Path) -> tuple[dict[str, float], str | None]:
+    """Perplexity by model: "Q4_1 (ours)", with a bfloat16 KV cache, "float32 (ours)" and, where it
+    runs, "Q4_1 (llama.cpp)"; and why llama.cpp is missing (None when it ran)."""
     from engine.worker.loader import load_tokenizer
     from engine.worker.model_store import fetch_default_gguf
 
@@ -81,9 +87,10 @@ def measure(tokens: int, peers: Path) -> dict[str, float]:
            "Q4_1, bfloat16 KV cache (ours)": perplexity(ours("auto", ids, "bfloat16")),
            "float32 (ours)": perplexity(ours("none", ids))}
     theirs = llama_cpp(peers, gguf, ids)
-    if theirs is not None:
-        out["Q4_1 (llama.cpp)"] = perplexity(theirs)
-    return out
+    if isinstance(theirs, str):
+        return out, theirs
+    out["Q4_1 (llama.cpp)"] = perplexity(theirs)
+    return out, None
 
 
 def main() -> None:
@@ -91,11 +98,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--peers-dir", type=Path, default=Path(os.environ.get("PEERS", Path.home() / "peers")))
     args = ap.parse_args()
-    ppl = measure(args.tokens, args.peers_dir)
+    ppl, missing = measure(args.tokens, args.peers_dir)
     base = ppl["Q4_1 (ours)"]
     body = markdown_table(["model", "perplexity", "vs Q4_1 (ours)"], [[n, p, p / base] for n, p in ppl.items()])
     body += (f"\n\n{args.tokens} tokens of Spec-Bench summarization articles, one context; every token after the "
              "first scored from the logits before it.")
+    if missing:
+        body += f" No llama.cpp figure on this machine: {missing}."
     write_report("perplexity", "Perplexity of the default model: its Q4_1 blocks, float32, llama.cpp", body,
                  f"python -m bench.perplexity --tokens {args.tokens}")
     print(body)
