@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.layers import cpu_kernels
+from engine.layers import cpu_decoder, cpu_kernels
+from engine.layers.linear import CFloat32Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.decoder import head_dim_of
@@ -71,23 +72,21 @@ class EagleHead(nn.Module):
         self._fused = None  # ``cpu_kernels.layer_args`` once ``prepare_fused`` ran
 
     def prepare_fused(self) -> None:
-        """Weights are final and the head drafts on the CPU in float32: lay every matrix out
-        for ``cpu_kernels.matmul`` (``kernel_weight``, read by ``_linear``), and q, k, v and gate,
-        up stacked for ``cpu_kernels.decoder_layer``, which then runs the layer in one C call:
-        through the layer's 20-odd torch and kernel calls, a drafting pass is mostly dispatch."""
+        """Weights are final and the head drafts on the CPU in float32: each matrix multiplies by
+        the C matmul (``CFloat32Linear``, read by ``_linear``), and the layer runs in one
+        ``cpu_kernels.decoder_layer`` call: through the layer's 20-odd torch and kernel calls,
+        a drafting pass is mostly dispatch. The attention input comes whole, so the
+        post-attention norm stands in the input norm's unused place."""
         if self.fc.weight.dtype != torch.float32 or self.fc.weight.device.type != "cpu" or cpu_kernels.load() is None:
             return
         for m in self.modules():
             if isinstance(m, nn.Linear):
-                m.kernel_weight = cpu_kernels.kernel_weight(m.weight.detach())
-        stack = lambda *ms: cpu_kernels.kernel_weight(torch.cat([m.weight.detach() for m in ms]))  # noqa: E731
-        norm = self.post_attention_layernorm  # also in the input norm's place, unused: the attention input comes whole
-        matrices = (stack(self.q_proj, self.k_proj, self.v_proj), self.o_proj.kernel_weight,
-                    stack(self.gate_proj, self.up_proj), self.down_proj.kernel_weight)
-        self._kept = matrices  # the C calls read them by address
-        self._fused = cpu_kernels.layer_args(self.config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
-                                             self.config.intermediate_size, norm.eps, (norm.weight, norm.weight),
-                                             matrices)
+                m.linear_kernel = CFloat32Linear(m.weight.detach())
+        w = lambda *ms: tuple(m.weight.detach() for m in ms)  # noqa: E731
+        self._fused = cpu_decoder.separate_layer_args(
+            self.config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.post_attention_layernorm,
+            w(self.q_proj, self.k_proj, self.v_proj), self.o_proj.weight.detach(), w(self.gate_proj, self.up_proj),
+            self.down_proj.weight.detach())
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [T, F] -> the hidden input of the head's pairs [T, H]
@@ -167,12 +166,12 @@ class EagleHead(nn.Module):
 
 
 def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)``, through ``cpu_kernels.matmul`` when it can run (float32 on the CPU, not
-    under autograd: drafting, not training) and ``prepare_fused`` laid the weight out for it;
-    the kernel runs the head's small matmuls several times faster than torch's."""
-    kernel = getattr(layer, "kernel_weight", None)
-    if kernel is not None and x.dim() == 2 and cpu_kernels.usable(x):
-        y = cpu_kernels.matmul(x, kernel)
+    """``layer(x)``, through the C matmul where ``prepare_fused`` chose it (``CFloat32Linear``,
+    itself ``F.linear`` under autograd: training); it runs the head's small matmuls several
+    times faster than torch's."""
+    kernel = getattr(layer, "linear_kernel", None)
+    if kernel is not None and x.dim() == 2:
+        y = kernel(x, layer.weight)
         return y if layer.bias is None else y + layer.bias
     return layer(x)
 

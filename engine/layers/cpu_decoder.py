@@ -41,6 +41,17 @@ def layer_args(layer) -> tuple | None:
                                   qk_norms, matmul=matmul, moe=moe)
 
 
+def separate_layer_args(hidden: int, heads: int, kv_heads: int, head_dim: int, norm, qkv: tuple, o: torch.Tensor,
+                        gate_up: tuple, down: torch.Tensor) -> cpu_kernels.LayerArgs:
+    """A dense layer given as separate float32 weights (an EAGLE head's): q, k, v and gate, up
+    stacked, every matrix laid out for the C matmul once, ``norm`` (an RMSNorm) in both norms'
+    places; its ``cpu_kernels.layer_args``."""
+    stack = lambda ws: cpu_kernels.kernel_weight(torch.cat(ws))  # noqa: E731
+    matrices = (stack(qkv), cpu_kernels.kernel_weight(o), stack(gate_up), cpu_kernels.kernel_weight(down))
+    return cpu_kernels.layer_args(hidden, heads, kv_heads, head_dim, down.shape[1], norm.eps,
+                                  (norm.weight.data, norm.weight.data), matrices)
+
+
 def dense_inter(layer) -> int:
     """The layer's gated MLP's intermediate features (0 for a mixture of experts)."""
     return layer.mlp.down_proj.weight.shape[1] if isinstance(layer.mlp, LlamaMLP) else 0
