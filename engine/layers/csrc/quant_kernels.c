@@ -200,8 +200,9 @@ INLINE __m256i quads(int kind, const chunk_t *w, const int8_t *x, int lo, int hi
 #define TILE 4 /* 16 */
 #endif
 #ifndef PREFETCH
-#define PREFETCH 1024
-#endif /* PREFETCH: bytes ahead of the chunk read: the panels stream from memory */
+#define PREFETCH 8192
+#endif /* PREFETCH: bytes ahead of the chunk read, into L1: the panels stream from memory (or L3), and
+        * a far distance keeps more lines in flight than the core's own streamer does (docs/cpu.md) */
 
 /* Rows r0 .. r0 + R - 1 (R <= TILE, a constant where it is inlined) against one group of 8
  * weight rows, written to y[r * ldy + o] for its first ``valid`` rows: each chunk is unpacked
