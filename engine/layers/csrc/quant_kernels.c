@@ -267,6 +267,10 @@ INLINE void load_chunk2(int fmt, const uint8_t *g0, const uint8_t *g1, int64_t c
     load_chunk(fmt, g0, c, &a);
     load_chunk(fmt, g1, c, &b);
     for (int j = 0; j < 8; j++) {
+        if (fmt == Q8_0) { /* the codes plus 128, unsigned: no per-row sign flips (tile2 takes 128 isum off) */
+            w->q[j] = _mm512_xor_si512(join_i(a.sign[j], b.sign[j]), _mm512_set1_epi8((char)0x80));
+            continue;
+        }
         w->q[j] = join_i(a.q[j], b.q[j]);
         if (codes_of(fmt) == S8) w->sign[j] = join_i(a.sign[j], b.sign[j]);
     }
@@ -293,7 +297,7 @@ INLINE void tile2(int fmt, const uint8_t *g0, const uint8_t *g1, int64_t K, cons
                   const float *isum, int R, float *y, int64_t ldy, int valid) {
     __m512 acc[TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    int kind = codes_of(fmt), split = R == 1 ? 4 : R == 2 ? 2 : 1;
+    int kind = fmt == Q8_0 ? U8 : codes_of(fmt), split = R == 1 ? 4 : R == 2 ? 2 : 1; /* Q8_0: load_chunk2 */
     int64_t stride = chunk_bytes(fmt) + header_bytes(fmt) / 8;
     for (int64_t c = 0; c < K / 32; c++) {
         for (int64_t b = 0; b < stride; b += 64) {
@@ -310,7 +314,10 @@ INLINE void tile2(int fmt, const uint8_t *g0, const uint8_t *g1, int64_t K, cons
                 t = _mm512_mul_ps(_mm512_cvtepi32_ps(quads2(kind, &w, x, 0, 4, split)), w.scale);
                 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(quads2(kind, &w, x, 4, 8, split)), w.scale_b, t);
             } else {
-                t = _mm512_mul_ps(_mm512_cvtepi32_ps(quads2(kind, &w, x, 0, 8, split)), w.scale);
+                __m512i dot = quads2(kind, &w, x, 0, 8, split);
+                if (fmt == Q8_0) /* sum (q + 128) x - 128 sum x: the signed codes' exact sum */
+                    dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * (int32_t)isum[r * (K / 32) + c]));
+                t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), w.scale);
                 t = _mm512_fmadd_ps(w.min, _mm512_set1_ps(isum[r * (K / 32) + c]), t);
             }
             acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(dx[r * (K / 32) + c]), acc[r]);
