@@ -184,9 +184,9 @@ class ModelRunner:
         rows = [i for i, s in enumerate(sched) if s.sample]
         if not rows:
             return None, rows, prompt_logprobs, features
-        ends = np.cumsum(query_lens)
         # k + 1 rows per sampling request: its last scheduled token and its drafts.
-        idx = np.concatenate([np.arange(ends[i] - (len(chains[i]) - len(sched[i].token_ids)) - 1, ends[i]) for i in rows])
+        num_rows = np.array([len(chains[i]) - len(sched[i].token_ids) + 1 for i in rows], dtype=np.int64)
+        idx = _ranges(np.cumsum(query_lens)[rows] - num_rows, num_rows)
         return self.model.compute_logits(hidden[self._t(idx)]), rows, prompt_logprobs, features
 
     def _inputs(self, specs: list[SeqSpec], input_ids: np.ndarray, positions: np.ndarray) -> tuple:
@@ -366,13 +366,23 @@ class ModelRunner:
 
 def _positions(sched, query_lens: np.ndarray, trees: list) -> np.ndarray:
     """[T] position of each token fed: context_len + its offset in a chain, + its depth in a tree."""
-    starts = np.cumsum(query_lens) - query_lens
     context_lens = np.fromiter((s.context_len for s in sched), dtype=np.int64, count=len(sched))
-    positions = np.arange(int(query_lens.sum()), dtype=np.int64) + np.repeat(context_lens - starts, query_lens)
+    positions = _ranges(context_lens, query_lens)
+    starts = np.cumsum(query_lens) - query_lens
     for start, s, t in zip(starts.tolist(), sched, trees):
         if t is not None:
             positions[start : start + len(t)] = s.context_len + tree.depths(t)
     return positions
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``arange(starts[i], starts[i] + lengths[i])`` for each i, concatenated. [sum(lengths)] int64.
+
+    >>> _ranges(np.array([5, 0]), np.array([2, 3])).tolist()
+    [5, 6, 0, 1, 2]
+    """
+    offsets = np.cumsum(lengths) - lengths  # where each range begins in the result
+    return np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(starts - offsets, lengths)
 
 
 def _fed_tree(s: ScheduledRequest, draft: Draft | None) -> tuple[int, ...] | None:
