@@ -8,6 +8,9 @@
 - Every engine made by these fixtures is checked after each test: no request
   left behind and the block pool back to its full free count (no lost blocks).
   Tests of a bare ``KVCacheManager`` or ``Scheduler`` assert it themselves.
+- Once the tests are collected, the heap alive then (torch, transformers, the test
+  modules) is frozen out of the garbage collector's passes, as the server does after
+  start-up (``freeze_startup_heap``): otherwise every full pass during a test rescans it.
 """
 
 import dataclasses
@@ -18,10 +21,15 @@ from transformers import LlamaConfig
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
+from engine.utils.heap import freeze_startup_heap
 from engine.worker.model_store import fetch_default_model
 from engine.models.decoder import LlamaForCausalLM
 
 DEFAULT_MAX_MODEL_LEN = 1024  # rope table of the shared default model; engines on it stay within
+
+
+def pytest_collection_finish(session) -> None:
+    freeze_startup_heap()
 
 
 def check_no_lost_blocks(engine: LLMEngine) -> None:
