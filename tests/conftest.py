@@ -14,6 +14,7 @@
 """
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -30,6 +31,10 @@ DEFAULT_MAX_MODEL_LEN = 1024  # rope table of the shared default model; engines 
 
 def pytest_collection_finish(session) -> None:
     freeze_startup_heap()
+
+
+def pytest_sessionfinish(session) -> None:
+    gc.unfreeze()  # collectable again at exit: frozen cycles would read as leaks (nanobind warns of triton's)
 
 
 def check_no_lost_blocks(engine: LLMEngine) -> None:
