@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from engine.utils import tree
+from engine.utils.ranges import ranges
 from engine.utils.transfer import to_device
 from kvcache.manager import slot_mapping, slot_mappings
 
@@ -234,8 +235,7 @@ def _listed_chains(specs: list[SeqSpec], kv_starts: list[int]) -> tuple[np.ndarr
     its positions 0 .. c + i, and each request's list is its own slots (all at once)."""
     ctx = np.array([s.context_len for s in specs], dtype=np.int64)
     qlen = np.array([s.query_len for s in specs], dtype=np.int64)
-    offset_in_query = np.arange(int(qlen.sum()), dtype=np.int64) - np.repeat(np.cumsum(qlen) - qlen, qlen)
-    return np.repeat(np.asarray(kv_starts, dtype=np.int64), qlen), np.repeat(ctx + 1, qlen) + offset_in_query
+    return np.repeat(np.asarray(kv_starts, dtype=np.int64), qlen), ranges(ctx + 1, qlen)
 
 
 def _listed_trees(specs: list[SeqSpec], starts: list[int], all_slots: np.ndarray, kv_starts: list[int]) -> tuple:

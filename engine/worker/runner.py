@@ -60,6 +60,7 @@ from engine.worker.sampler import (
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.utils import tree
+from engine.utils.ranges import ranges
 from engine.spec_decode.drafter import Draft
 from engine.spec_decode.verify import Verified, greedy_rule, verify
 from engine.utils.transfer import to_device
@@ -186,7 +187,7 @@ class ModelRunner:
             return None, rows, prompt_logprobs, features
         # k + 1 rows per sampling request: its last scheduled token and its drafts.
         num_rows = np.array([len(chains[i]) - len(sched[i].token_ids) + 1 for i in rows], dtype=np.int64)
-        idx = _ranges(np.cumsum(query_lens)[rows] - num_rows, num_rows)
+        idx = ranges(np.cumsum(query_lens)[rows] - num_rows, num_rows)
         return self.model.compute_logits(hidden[self._t(idx)]), rows, prompt_logprobs, features
 
     def _inputs(self, specs: list[SeqSpec], input_ids: np.ndarray, positions: np.ndarray) -> tuple:
@@ -271,8 +272,9 @@ class ModelRunner:
         verdict, the most logprobs a request asks (None: none) and (request, row within it) of
         each row."""
         num_draft_tokens = [len(d.token_ids) if d else 0 for d in drafts]
-        row_req = np.repeat(np.arange(len(requests)), np.array(num_draft_tokens) + 1)  # [R] request of each row
-        row_pos = np.concatenate([np.arange(n + 1) for n in num_draft_tokens])  # [R] row within its request
+        num_rows = np.array(num_draft_tokens, dtype=np.int64) + 1  # [n] k + 1 rows per request
+        row_req = np.repeat(np.arange(len(requests)), num_rows)  # [R] request of each row
+        row_pos = ranges(np.zeros(len(requests), dtype=np.int64), num_rows)  # [R] row within its request
         branches = [tree.path_tokens(d.token_ids, d.parents, len(d.token_ids)) if d else [[]] for d in drafts]
         rows = list(zip(row_req.tolist(), row_pos.tolist()))  # plain ints: indexing by numpy scalars is slow
         prefixes = [tuple(branches[i][p]) for i, p in rows]
@@ -367,22 +369,12 @@ class ModelRunner:
 def _positions(sched, query_lens: np.ndarray, trees: list) -> np.ndarray:
     """[T] position of each token fed: context_len + its offset in a chain, + its depth in a tree."""
     context_lens = np.fromiter((s.context_len for s in sched), dtype=np.int64, count=len(sched))
-    positions = _ranges(context_lens, query_lens)
+    positions = ranges(context_lens, query_lens)
     starts = np.cumsum(query_lens) - query_lens
     for start, s, t in zip(starts.tolist(), sched, trees):
         if t is not None:
             positions[start : start + len(t)] = s.context_len + tree.depths(t)
     return positions
-
-
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """``arange(starts[i], starts[i] + lengths[i])`` for each i, concatenated. [sum(lengths)] int64.
-
-    >>> _ranges(np.array([5, 0]), np.array([2, 3])).tolist()
-    [5, 6, 0, 1, 2]
-    """
-    offsets = np.cumsum(lengths) - lengths  # where each range begins in the result
-    return np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(starts - offsets, lengths)
 
 
 def _fed_tree(s: ScheduledRequest, draft: Draft | None) -> tuple[int, ...] | None:
