@@ -29,6 +29,7 @@ The tree's shape never depends on a node's own token, only on the template
 and on what was drawn before it, which keeps the round non-anticipating.
 """
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -93,7 +94,13 @@ class GrowingTree:
 def template_of(slot: DraftSlot) -> tuple[int, ...]:
     """The slot's template in depth order (as drafting grows it), cut to its node budget; a
     slot without a shape drafts a chain, a tree of width 1."""
-    shape = (slot.shape if slot.shape is not None else tree.chain(slot.num_draft_tokens))[: slot.num_draft_tokens]
+    shape = slot.shape if slot.shape is not None else tree.chain(slot.num_draft_tokens)
+    return _depth_ordered(tuple(shape[: slot.num_draft_tokens]))
+
+
+@functools.lru_cache(maxsize=1024)
+def _depth_ordered(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` renumbered in depth order (cached: a policy's few shapes recur every step)."""
     d = tree.depths(shape)
     order = sorted(range(len(shape)), key=lambda i: (d[i], i))
     new = {old: i for i, old in enumerate(order)}

@@ -283,7 +283,7 @@ class LLMEngine:
 
     def _delta(self, req: Request) -> RequestOutput:
         """The part of ``req``'s output not yet emitted."""
-        tokens = req.output_token_ids[req.num_emitted_tokens :]
+        tokens = req.token_ids[req.num_prompt_tokens + req.num_emitted_tokens :]
         end = len(req.output_text) - holdback(req)
         text = req.output_text[req.num_emitted_chars : end] if end > req.num_emitted_chars else ""
         logprobs = req.logprobs[req.num_emitted_tokens :] if req.logprobs is not None else None

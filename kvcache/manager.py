@@ -31,6 +31,8 @@ token, draft slot) lands at or above it. The cost is recomputing up to one
 block when a whole prompt is cached (vLLM caps the same way).
 """
 
+import itertools
+
 import numpy as np
 
 from kvcache.block_hash import extend_chain
@@ -75,6 +77,9 @@ class KVCacheManager:
 
         Returns False, allocating nothing, when the pool has too few free blocks.
         """
+        table = self._tables.get(request_id)
+        if not cached and table is not None and blocks_needed(num_tokens, self.block_size) <= len(table):
+            return True  # covered already (a decode step's usual case)
         if self.num_new_blocks(request_id, num_tokens, cached) > self.pool.num_free_blocks:
             return False
         if cached:
@@ -147,3 +152,15 @@ def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) 
     pos = np.arange(start, end, dtype=np.int64)
     table = np.asarray(block_table, dtype=np.int64)
     return table[pos // block_size] * block_size + pos % block_size
+
+
+def slot_mappings(block_tables: list[list[int]], num_tokens: np.ndarray, block_size: int) -> np.ndarray:
+    """Slots of positions ``0 .. num_tokens[r]-1`` of each request ``r``, request after
+    request: ``slot_mapping`` of every request at once. [sum(num_tokens)] int64."""
+    table_lens = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=len(block_tables))
+    if np.any(-(-num_tokens // block_size) > table_lens):
+        raise IndexError("a block table is shorter than its request's positions")
+    tables = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(table_lens.sum()))
+    pos = np.arange(int(num_tokens.sum()), dtype=np.int64) - np.repeat(np.cumsum(num_tokens) - num_tokens, num_tokens)
+    table_start = np.repeat(np.cumsum(table_lens) - table_lens, num_tokens)
+    return tables[table_start + pos // block_size] * block_size + pos % block_size

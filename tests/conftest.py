@@ -8,9 +8,13 @@
 - Every engine made by these fixtures is checked after each test: no request
   left behind and the block pool back to its full free count (no lost blocks).
   Tests of a bare ``KVCacheManager`` or ``Scheduler`` assert it themselves.
+- Once the tests are collected, the heap alive then (torch, transformers, the test
+  modules) is frozen out of the garbage collector's passes, as the server does after
+  start-up (``freeze_startup_heap``): otherwise every full pass during a test rescans it.
 """
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -18,10 +22,19 @@ from transformers import LlamaConfig
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
+from engine.utils.heap import freeze_startup_heap
 from engine.worker.model_store import fetch_default_model
 from engine.models.decoder import LlamaForCausalLM
 
 DEFAULT_MAX_MODEL_LEN = 1024  # rope table of the shared default model; engines on it stay within
+
+
+def pytest_collection_finish(session) -> None:
+    freeze_startup_heap()
+
+
+def pytest_sessionfinish(session) -> None:
+    gc.unfreeze()  # collectable again at exit: frozen cycles would read as leaks (nanobind warns of triton's)
 
 
 def check_no_lost_blocks(engine: LLMEngine) -> None:

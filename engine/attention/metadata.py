@@ -32,8 +32,9 @@ import numpy as np
 import torch
 
 from engine.utils import tree
+from engine.utils.ranges import ranges
 from engine.utils.transfer import to_device
-from kvcache.manager import slot_mapping
+from kvcache.manager import slot_mapping, slot_mappings
 
 # Requests with more new tokens than this are attended on their own.
 MAX_BATCHED_QUERY = 64
@@ -214,10 +215,35 @@ def _batched(specs: list[SeqSpec], starts: list[int], total_tokens: int, block_s
     )
 
 
-def _listed(specs: list[SeqSpec], starts: list[int], all_slots: list[np.ndarray], window: int | None) -> ListedQueries:
+def _listed(specs: list[SeqSpec], starts: list[int], slots: np.ndarray, kv_starts: list[int],
+            window: int | None) -> ListedQueries:
+    """``slots``: every request's slots of positions 0 .. context_len + query_len - 1, request
+    after request, request ``r``'s from ``kv_starts[r]``."""
+    if all(spec.parents is None for spec in specs):
+        start, length = _listed_chains(specs, kv_starts)
+        rows, lists = [np.arange(len(start))], [slots]
+    else:
+        rows, start, length, lists = _listed_trees(specs, starts, slots, kv_starts)
+    to = lambda parts: torch.from_numpy(np.concatenate(parts).astype(np.int64))  # noqa: E731
+    if window is not None:  # a token's list is in position order: it sees the last ``window`` of its prefix
+        start, length = start + np.maximum(length - window, 0), np.minimum(length, window)
+    return ListedQueries(to(rows), to([start]), to([length]), to(lists))
+
+
+def _listed_chains(specs: list[SeqSpec], kv_starts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(start, length) of every token of a step of chains only: token i of a request sees
+    its positions 0 .. c + i, and each request's list is its own slots (all at once)."""
+    ctx = np.array([s.context_len for s in specs], dtype=np.int64)
+    qlen = np.array([s.query_len for s in specs], dtype=np.int64)
+    return np.repeat(np.asarray(kv_starts, dtype=np.int64), qlen), ranges(ctx + 1, qlen)
+
+
+def _listed_trees(specs: list[SeqSpec], starts: list[int], all_slots: np.ndarray, kv_starts: list[int]) -> tuple:
+    """(rows, start, length, lists) of a step with trees, request by request."""
     rows, start, length, lists, offset = [], [], [], [], 0
-    for spec, first, slots in zip(specs, starts, all_slots):
+    for spec, first, kv_start in zip(specs, starts, kv_starts):
         c, m = spec.context_len, spec.query_len
+        slots = all_slots[kv_start : kv_start + c + m]
         if spec.parents is None:  # token i sees positions 0 .. c + i
             rows.append(np.arange(first, first + m))
             start.append(np.full(m, offset))
@@ -231,11 +257,7 @@ def _listed(specs: list[SeqSpec], starts: list[int], all_slots: list[np.ndarray]
             length.append(c + 1 + np.arange(len(path) - len(own), len(path)))
             lists.append(np.concatenate([slots[:c], slots[c:][path]]))
             offset += c + len(path)
-    to = lambda parts: torch.from_numpy(np.concatenate(parts).astype(np.int64))  # noqa: E731
-    start, length = np.concatenate(start), np.concatenate(length)
-    if window is not None:  # a token's list is in position order: it sees the last ``window`` of its prefix
-        start, length = start + np.maximum(length - window, 0), np.minimum(length, window)
-    return ListedQueries(to(rows), to([start]), to([length]), to(lists))
+    return rows, np.concatenate(start), np.concatenate(length), lists
 
 
 def build_attention_metadata(specs: list[SeqSpec], block_size: int, device="cpu", listed=False,
@@ -245,11 +267,14 @@ def build_attention_metadata(specs: list[SeqSpec], block_size: int, device="cpu"
     every query of every step the same way (a token's bits never depend on its step).
     ``window``: for layers that see the last ``window`` positions."""
     starts = np.concatenate([[0], np.cumsum([s.query_len for s in specs])]).tolist()
-    all_slots = [slot_mapping(s.block_table, 0, s.context_len + s.query_len, block_size) for s in specs]
-    new_slots = np.concatenate([slots[s.context_len :] for s, slots in zip(specs, all_slots)])  # [num_tokens]
-    meta = AttentionMetadata(to_device(new_slots, device), specs=list(specs), block_size=block_size, window=window)
+    ctx = np.array([s.context_len for s in specs], dtype=np.int64)  # [n]
+    kv_lens = ctx + np.array([s.query_len for s in specs], dtype=np.int64)  # [n]
+    all_slots = slot_mappings([s.block_table for s in specs], kv_lens, block_size)  # [sum(kv_lens)]
+    kv_starts = np.cumsum(kv_lens) - kv_lens
+    new = np.arange(len(all_slots)) - np.repeat(kv_starts, kv_lens) >= np.repeat(ctx, kv_lens)  # position >= context_len
+    meta = AttentionMetadata(to_device(all_slots[new], device), specs=list(specs), block_size=block_size, window=window)
     if listed:
-        meta.listed = _listed(specs, starts[:-1], all_slots, window)
+        meta.listed = _listed(specs, starts[:-1], all_slots, kv_starts.tolist(), window)
         return meta
     buckets: dict[int, list[int]] = {}
     for i, s in enumerate(specs):

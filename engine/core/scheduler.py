@@ -126,14 +126,18 @@ class Scheduler:
         """End a request wherever it is and free its blocks."""
         if request.request_id not in self.requests:
             return
-        if not request.is_finished:
-            request.finish(reason, error)
-        del self.requests[request.request_id]
-        self._num_synced_blocks.pop(request.request_id, None)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self._release(request, reason, error)
+
+    def _release(self, request: Request, reason: str, error: str | None = None) -> None:
+        """``finish`` but for the queues: the caller takes ``request`` out of ``running`` or ``waiting``."""
+        if not request.is_finished:
+            request.finish(reason, error)
+        del self.requests[request.request_id]
+        self._num_synced_blocks.pop(request.request_id, None)
         self.kv.free(request.request_id)
         self._finished_ids.append(request.request_id)
 
@@ -289,7 +293,7 @@ class Scheduler:
         the prefix cache. Returns the requests that got new tokens (finished ones
         included, their blocks released).
         """
-        touched = []
+        touched, finished = [], []
         for s in out.scheduled:
             rid = s.request_id
             req = self.requests.get(rid)
@@ -310,5 +314,9 @@ class Scheduler:
                 req.finish("length")  # prefill only: nothing to sample
                 touched.append(req)
             if req.is_finished:
-                self.finish(req, req.finish_reason)
+                self._release(req, req.finish_reason)
+                finished.append(req)
+        if finished:  # scheduled, so running: removed in one pass, not one list search each
+            gone = set(map(id, finished))
+            self.running[:] = [r for r in self.running if id(r) not in gone]
         return touched

@@ -63,6 +63,6 @@ def _append_text(request: Request, delta: str) -> None:
 
 def holdback(request: Request) -> int:
     """Characters of the text to hold back while streaming: a stop string may be forming."""
-    if request.is_finished or not request.params.stop:
+    if not request.params.stop or request.is_finished:
         return 0
     return max(len(s) for s in request.params.stop) - 1

@@ -15,6 +15,7 @@ Nothing is padded to the longest request: the verification rules work on these
 offsets (``engine.spec_decode.rejection_sampler``, ``engine.spec_decode.tree_sampler``).
 """
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,9 +67,10 @@ def build_verify_metadata(
     num = np.array([len(t) for t in token_ids], dtype=np.int64)  # [n] num_draft_tokens
     cu = np.cumsum(num)
     first = cu - num + np.arange(len(num))  # each request's first row
-    local_parents = [np.asarray(p if p is not None else tree.chain(len(t)), dtype=np.int64) for t, p in zip(token_ids, parents)]
+    shapes = [tuple(p) if p is not None else tree.chain(len(t)) for t, p in zip(token_ids, parents)]
     request_index = np.repeat(np.arange(len(num)), num)
-    target = np.concatenate([first[r] + p + 1 for r, p in enumerate(local_parents)]) if num.sum() else np.zeros(0, np.int64)
+    local_parents = np.fromiter(itertools.chain.from_iterable(shapes), dtype=np.int64, count=int(num.sum()))  # [D]
+    target = first[request_index] + local_parents + 1
     to = lambda a: to_device(np.asarray(a, dtype=np.int64), device)  # noqa: E731
     flat_ids = [t for ids in token_ids for t in ids]
     trees = any(p is not None and not tree.is_chain(p) for p in parents) if with_children is None else with_children
@@ -80,9 +82,10 @@ def build_verify_metadata(
         target_logits_indices=to(target),
         first_rows=to(first),
         draft_probs=_stack_probs(flat_ids, probs, num, vocab_size, device),
-        children=to(_children(local_parents, first, cu - num)) if trees else None,
+        children=to(_children(shapes, first, cu - num)) if trees else None,
         max_num_draft_tokens=int(num.max()) if len(num) else 0,
-        max_depth=max((int(tree.depths(tuple(p.tolist())).max()) + 1 for p in local_parents if len(p)), default=0),
+        max_depth=max((len(s) if p is None else int(tree.depths(s).max()) + 1
+                       for s, p in zip(shapes, parents) if s), default=0),
     )
 
 
@@ -102,10 +105,9 @@ def _stack_probs(flat_ids: list[int], probs, num_draft_tokens: np.ndarray, vocab
     return q
 
 
-def _children(local_parents: list[np.ndarray], first: np.ndarray, draft_start: np.ndarray) -> np.ndarray:
+def _children(trees: list[tuple[int, ...]], first: np.ndarray, draft_start: np.ndarray) -> np.ndarray:
     """[R, W] the draft index of each row's children, in sibling order, -1 padded: each
     request's ``tree.children_table`` at its rows, its node indices made flat."""
-    trees = [tuple(p.tolist()) for p in local_parents]
     width = max([tree.max_children(p) for p in trees] + [1])
     out = np.full((int(first[-1]) + len(trees[-1]) + 1, width), tree.NO_CHILD, dtype=np.int64)
     tables: dict[tuple[int, ...], np.ndarray] = {}

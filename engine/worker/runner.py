@@ -60,6 +60,7 @@ from engine.worker.sampler import (
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.utils import tree
+from engine.utils.ranges import ranges
 from engine.spec_decode.drafter import Draft
 from engine.spec_decode.verify import Verified, greedy_rule, verify
 from engine.utils.transfer import to_device
@@ -170,9 +171,7 @@ class ModelRunner:
         [T, F] of every token fed (None when it reads none)."""
         query_lens = np.array([len(c) for c in chains], dtype=np.int64)
         input_ids = np.fromiter((t for c in chains for t in c), dtype=np.int64, count=int(query_lens.sum()))
-        positions = np.concatenate([
-            s.context_len + (np.arange(len(c)) if t is None else tree.depths(t)) for s, c, t in zip(sched, chains, trees)
-        ])
+        positions = _positions(sched, query_lens, trees)
         tables = [self.requests[s.request_id].block_table for s in sched]
         specs = [SeqSpec(s.context_len, len(c), b, t) for s, c, b, t in zip(sched, chains, tables, trees)]
         bucket = self.bucketed.bucket_for(specs) if self.bucketed and not self.feature_layers else None
@@ -186,9 +185,9 @@ class ModelRunner:
         rows = [i for i, s in enumerate(sched) if s.sample]
         if not rows:
             return None, rows, prompt_logprobs, features
-        ends = np.cumsum(query_lens)
         # k + 1 rows per sampling request: its last scheduled token and its drafts.
-        idx = np.concatenate([np.arange(ends[i] - (len(chains[i]) - len(sched[i].token_ids)) - 1, ends[i]) for i in rows])
+        num_rows = np.array([len(chains[i]) - len(sched[i].token_ids) + 1 for i in rows], dtype=np.int64)
+        idx = ranges(np.cumsum(query_lens)[rows] - num_rows, num_rows)
         return self.model.compute_logits(hidden[self._t(idx)]), rows, prompt_logprobs, features
 
     def _inputs(self, specs: list[SeqSpec], input_ids: np.ndarray, positions: np.ndarray) -> tuple:
@@ -273,13 +272,15 @@ class ModelRunner:
         verdict, the most logprobs a request asks (None: none) and (request, row within it) of
         each row."""
         num_draft_tokens = [len(d.token_ids) if d else 0 for d in drafts]
-        row_req = np.repeat(np.arange(len(requests)), np.array(num_draft_tokens) + 1)  # [R] request of each row
-        row_pos = np.concatenate([np.arange(n + 1) for n in num_draft_tokens])  # [R] row within its request
+        num_rows = np.array(num_draft_tokens, dtype=np.int64) + 1  # [n] k + 1 rows per request
+        row_req = np.repeat(np.arange(len(requests)), num_rows)  # [R] request of each row
+        row_pos = ranges(np.zeros(len(requests), dtype=np.int64), num_rows)  # [R] row within its request
         branches = [tree.path_tokens(d.token_ids, d.parents, len(d.token_ids)) if d else [[]] for d in drafts]
-        prefixes = [tuple(branches[i][p]) for i, p in zip(row_req, row_pos)]
-        batch = build_sampling_batch([requests[i] for i in row_req], self.vocab_size, self.device,
-                                     [None] * len(row_req), prefixes)
-        masked = self._masked(logits, [(requests[i].request_id, p) for i, p in zip(row_req, row_pos)])
+        rows = list(zip(row_req.tolist(), row_pos.tolist()))  # plain ints: indexing by numpy scalars is slow
+        prefixes = [tuple(branches[i][p]) for i, p in rows]
+        batch = build_sampling_batch([requests[i] for i, _ in rows], self.vocab_size, self.device,
+                                     [None] * len(rows), prefixes)
+        masked = self._masked(logits, [(requests[i].request_id, p) for i, p in rows])
         greedy = [r.params.greedy for r in requests]
         argmax = penalized_logits(masked, batch).argmax(-1) if any(greedy) else None  # [R]
         probs = uniforms = noise = None
@@ -363,6 +364,17 @@ class ModelRunner:
         if g is None:
             g = self.generators[request_id] = torch.Generator(self.device).manual_seed(params.seed)
         return g
+
+
+def _positions(sched, query_lens: np.ndarray, trees: list) -> np.ndarray:
+    """[T] position of each token fed: context_len + its offset in a chain, + its depth in a tree."""
+    context_lens = np.fromiter((s.context_len for s in sched), dtype=np.int64, count=len(sched))
+    positions = ranges(context_lens, query_lens)
+    starts = np.cumsum(query_lens) - query_lens
+    for start, s, t in zip(starts.tolist(), sched, trees):
+        if t is not None:
+            positions[start : start + len(t)] = s.context_len + tree.depths(t)
+    return positions
 
 
 def _fed_tree(s: ScheduledRequest, draft: Draft | None) -> tuple[int, ...] | None:

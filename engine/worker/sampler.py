@@ -16,9 +16,11 @@ exactly ``p(x)``. A request with a seed draws its ``E`` from its own generator,
 so its samples do not depend on what else is in the batch.
 """
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.outputs import TokenLogprob
@@ -84,15 +86,26 @@ def build_sampling_batch(
 
 
 def _token_counts(requests: list[Request], drafted: list[tuple[int, ...]], vocab_size: int, device):
-    """Output-token counts [n, vocab] and a mask of every token in the context."""
+    """Output-token counts [n, vocab] and a mask of every token in the context, each
+    filled by one indexed write over all rows (not a write per row)."""
     n = len(requests)
+    outputs = [r.output_token_ids + list(extra) for r, extra in zip(requests, drafted)]
+    contexts = [r.token_ids + list(extra) for r, extra in zip(requests, drafted)]
+    out_rows, out_ids = _flat_index(outputs)
+    ctx_rows, ctx_ids = _flat_index(contexts)
     counts = torch.zeros(n, vocab_size, device=device)
+    counts.index_put_((to_device(out_rows, device), to_device(out_ids, device)),
+                      torch.ones(len(out_ids), device=device), accumulate=True)
     seen = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
-    for i, (r, extra) in enumerate(zip(requests, drafted)):
-        out = to_device(r.output_token_ids + list(extra), device, torch.long)
-        counts[i].index_add_(0, out, torch.ones(len(out), device=device))
-        seen[i, to_device(r.token_ids + list(extra), device, torch.long)] = True
+    seen[to_device(ctx_rows, device), to_device(ctx_ids, device)] = True
     return counts, seen
+
+
+def _flat_index(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(row of each entry, entry) of the lists ``rows``, flat: each [sum of lengths] int64."""
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    ids = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+    return np.repeat(np.arange(len(rows), dtype=np.int64), lengths), ids
 
 
 def penalized_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from kvcache import BlockPool, KVCacheManager, blocks_needed, slot_mapping
+from kvcache.manager import slot_mappings
 
 
 def test_pool_allocates_distinct_blocks_fifo_and_counts_free():
@@ -113,3 +114,12 @@ def test_slot_mapping_worked_example():
     np.testing.assert_array_equal(slot_mapping([7, 2], 3, 6, 4), [31, 8, 9])
     assert slot_mapping([7, 2], 5, 5, 4).shape == (0,)
     assert slot_mapping([7, 2], 0, 8, 4).dtype == np.int64
+
+
+def test_slot_mappings_of_a_step_are_each_requests_in_turn():
+    # Request a: the picture's table, 6 positions; b: a longer table than it needs, 3; c: none.
+    slots = slot_mappings([[7, 2], [5, 1, 9], []], np.array([6, 3, 0]), 4)
+    assert slots.tolist() == [28, 29, 30, 31, 8, 9] + [20, 21, 22]
+    assert slots.dtype == np.int64
+    with pytest.raises(IndexError):  # never a read into the next request's table
+        slot_mappings([[7], [5, 1]], np.array([5, 1]), 4)
