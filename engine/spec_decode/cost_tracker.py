@@ -44,7 +44,7 @@ import time
 import torch
 
 from engine.attention import SeqSpec
-from engine.spec_decode.policy import StepCosts
+from engine.spec_decode.step_costs import StepCosts
 
 ALPHA = 0.05  # weight of one observation
 REVERT = 0.002  # pull of every observation on the relative costs back towards the start-up ones

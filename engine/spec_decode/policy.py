@@ -77,14 +77,14 @@ as an accepted draft and the same position's bonus token use different
 randomness), however the random numbers are keyed.
 """
 
-import bisect
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.utils import tree
 from engine.config import SpeculativeConfig
 from engine.spec_decode import tree_policy
 from engine.spec_decode.batch_pause import BatchPauses
+from engine.spec_decode.step_costs import StepCosts
 
 PRIOR_ACCEPTANCE = 0.5  # acceptance assumed before a request has any history
 EMA = 0.3  # weight of the newest round in a request's acceptance estimate
@@ -93,47 +93,6 @@ POOLED_EMA = 0.05  # ... and in the estimate pooled over all requests (a plain m
 # even pays nothing, and the costs and rates it is priced by are estimates.
 MIN_GAIN = 1.03
 MIN_PAUSE, MAX_PAUSE = 8, 256  # steps a request stops drafting after drafts did not pay
-
-
-@dataclass(frozen=True)
-class StepCosts:
-    """``T(R)``: the time of a target pass over ``R`` tokens relative to one token,
-    measured at a few ``rows`` (increasing, from 1), linear in between and beyond."""
-
-    rows: tuple[int, ...]
-    costs: tuple[float, ...]  # non-decreasing, costs[0] = 1
-    # Price every request alone, as at batch 1, whatever the batch: the choices, and
-    # so a seeded request's random draws, then do not depend on the other requests.
-    per_request: bool = False
-    one_token_s: float = 0.0  # seconds of a one-token pass when timed (0: a pinned cost)
-    # What a pass that verifies drafts costs beyond T(R) for its rows (building the drafts'
-    # metadata, the verification rule): one-token passes, observed online (CostTracker).
-    verify_fixed: float = 0.0
-
-    @classmethod
-    def linear(cls, per_token: float) -> "StepCosts":
-        """A pinned cost: every extra token costs ``per_token`` of a one-token pass, per request."""
-        return cls((1, 2), (1.0, 1.0 + per_token), per_request=True)
-
-    def __call__(self, rows: float) -> float:
-        r, c = self.rows, self.costs
-        i = min(max(bisect.bisect_right(r, rows) - 1, 0), len(r) - 2)
-        return c[i] + (c[i + 1] - c[i]) * (rows - r[i]) / (r[i + 1] - r[i])
-
-    def verify(self, drafts: int, batch: int, rows: int | None = None) -> float:
-        """``V``: a round with ``drafts`` drafts for one of ``batch`` decoding requests, in
-        units of that request's share of a plain step; ``rows``: tokens already in the
-        pass (default ``batch``)."""
-        return self.verify_at((drafts,), batch, rows)[0]
-
-    def verify_at(self, drafts: Iterable[int], batch: int, rows: int | None = None) -> list[float]:
-        """``verify`` at each of several draft counts, the terms that do not depend on the
-        count computed once."""
-        if self.per_request:
-            return [self(1 + g) for g in drafts]
-        rows = batch if rows is None else rows
-        t_rows, t_batch = self(rows), self(batch)
-        return [1.0 + (self(rows + g) - t_rows) * batch / t_batch for g in drafts]
 
 
 @dataclass

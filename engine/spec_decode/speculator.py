@@ -24,7 +24,8 @@ from engine.core.scheduler import RunnerOutput, SchedulerOutput
 from engine.spec_decode.cost_tracker import CostTracker, measure_step_costs
 from engine.spec_decode.drafter import Draft, Drafter, DraftSlot
 from engine.spec_decode.fixed_policy import FixedPolicy
-from engine.spec_decode.policy import Candidate, SpecPolicy, SpecState, StepCosts, StepPlan
+from engine.spec_decode.policy import Candidate, SpecPolicy, SpecState, StepPlan
+from engine.spec_decode.step_costs import StepCosts
 from engine.spec_decode.registry import build_drafter
 from engine.core.stats import SpecStepStats, spec_step_stats
 from engine.utils.tree import is_chain, walk
