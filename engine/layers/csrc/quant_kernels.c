@@ -194,20 +194,34 @@ INLINE __m256i quads(int kind, const chunk_t *w, const int8_t *x, int lo, int hi
     return split > 1 ? _mm256_add_epi32(acc[0], acc[1]) : acc[0];
 }
 
+#define TILE 8 /* rows a tile holds */
 #if defined(__AVX512F__)
-#define TILE 8 /* rows a tile holds: 32 vector registers */
+#define CHUNK_ROWS 8 /* ... with a whole chunk unpacked in registers: 32 of them */
 #else
-#define TILE 4 /* 16 */
+#define CHUNK_ROWS 4 /* 16 */
 #endif
 #ifndef PREFETCH
 #define PREFETCH 8192
 #endif /* PREFETCH: bytes ahead of the chunk read, into L1: the panels stream from memory (or L3), and
         * a far distance keeps more lines in flight than the core's own streamer does (docs/cpu.md) */
 
-/* Rows r0 .. r0 + R - 1 (R <= TILE, a constant where it is inlined) against one group of 8
- * weight rows, written to y[r * ldy + o] for its first ``valid`` rows: each chunk is unpacked
- * once and meets every row of the tile while it sits in registers. */
-INLINE void tile(int fmt, const uint8_t *group, int64_t K, const int8_t *xq, const float *dx, const float *isum,
+/* acc[r] (8 lanes: weight rows) to y[r * ldy ..], its first ``valid`` lanes, r < R. */
+INLINE void store_rows(const __m256 *acc, int R, float *y, int64_t ldy, int valid) {
+    for (int r = 0; r < R; r++) {
+        if (valid == 8) {
+            _mm256_storeu_ps(y + r * ldy, acc[r]);
+        } else {
+            float out[8];
+            _mm256_storeu_ps(out, acc[r]);
+            memcpy(y + r * ldy, out, sizeof(float) * valid);
+        }
+    }
+}
+
+/* Rows r0 .. r0 + R - 1 (R <= CHUNK_ROWS, a constant where it is inlined) against one group
+ * of 8 weight rows, written to y[r * ldy + o] for its first ``valid`` rows: each chunk is
+ * unpacked once and meets every row of the tile while it sits in registers. */
+INLINE void tile_chunks(int fmt, const uint8_t *group, int64_t K, const int8_t *xq, const float *dx, const float *isum,
                  int R, float *y, int64_t ldy, int valid) {
     __m256 acc[TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
@@ -234,15 +248,87 @@ INLINE void tile(int fmt, const uint8_t *group, int64_t K, const int8_t *xq, con
             acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(dx[r * (K / 32) + c]), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        if (valid == 8) {
-            _mm256_storeu_ps(y + r * ldy, acc[r]);
+    store_rows(acc, R, y, ldy, valid);
+}
+
+#if !defined(__AVX512F__) && !defined(__AVXVNNI__)
+/* AVX2, 4-bit codes, 3 to 8 rows: ``tile_chunks`` with its loops turned, a quad pair at a time
+ * (one load of 32 bytes: quads j and j + 4) against every row, each row's products adding up
+ * in 16 bits (its ``quads``: the same exact integers, so the same bits) while only the pair is
+ * live: the 16 registers hold 8 rows' sums where a whole unpacked chunk would hold 4. */
+INLINE void tile_quads(int fmt, const uint8_t *group, int64_t K, const int8_t *xq, const float *dx,
+                       const float *isum, int R, float *y, int64_t ldy, int valid) {
+    __m256 acc[TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    int64_t h = header_bytes(fmt), nb = K / 32, stride = chunk_bytes(fmt) + h / 8;
+    for (int64_t c = 0; c < nb; c++) {
+        _mm_prefetch((const char *)group + c * stride + PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)group + c * stride + PREFETCH + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)group + c * stride + PREFETCH + 128, _MM_HINT_T0);
+        if (stride > 192) _mm_prefetch((const char *)group + c * stride + PREFETCH + 192, _MM_HINT_T0);
+        const uint8_t *p = h ? group + (c / 8) * (h + 8 * chunk_bytes(fmt)) + h + (c % 8) * chunk_bytes(fmt)
+                             : group + c * chunk_bytes(fmt);
+        __m256i sum[TILE];
+        for (int r = 0; r < R; r++) sum[r] = _mm256_setzero_si256();
+        if (fmt == Q8_0) {
+            UNROLL(1)
+            for (int j = 0; j < 8; j++) { /* a quad at a time, in 32 bits (as ``quad``) */
+                __m256i q = _mm256_loadu_si256((const __m256i *)(p + 32 * j)), a = _mm256_abs_epi8(q);
+                UNROLL(UNROLL_ROWS)
+                for (int r = 0; r < R; r++) {
+                    __m256i x = _mm256_sign_epi8(broadcast4(xq + r * K + c * 32 + 4 * j), q);
+                    sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), ones));
+                }
+            }
         } else {
-            float out[8];
-            _mm256_storeu_ps(out, acc[r]);
-            memcpy(y + r * ldy, out, sizeof(float) * valid);
+            UNROLL(1) /* one pair's products at a time: unrolled, the compiler spills them all first */
+            for (int j = 0; j < 4; j++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * j));
+                __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                UNROLL(UNROLL_ROWS)
+                for (int r = 0; r < R; r++) {
+                    const int8_t *x = xq + r * K + c * 32;
+                    sum[r] = _mm256_add_epi16(sum[r], _mm256_maddubs_epi16(lo, broadcast4(x + 4 * j)));
+                    sum[r] = _mm256_add_epi16(sum[r], _mm256_maddubs_epi16(hi, broadcast4(x + 4 * (j + 4))));
+                }
+            }
+            for (int r = 0; r < R; r++) sum[r] = _mm256_madd_epi16(sum[r], ones);
+        }
+        chunk_t w;
+        load_chunk(fmt, group, c, &w); /* its scales (the codes it unpacks again are dead) */
+        UNROLL(UNROLL_ROWS)
+        for (int r = 0; r < R; r++) {
+            __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum[r]), w.scale);
+            t = _mm256_fmadd_ps(w.min, _mm256_set1_ps(isum[r * nb + c]), t);
+            acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(dx[r * nb + c]), acc[r]);
         }
     }
+    store_rows(acc, R, y, ldy, valid);
+}
+#define QUAD_TILES 1
+#else
+#define QUAD_TILES 0
+#endif
+
+/* ``tile_chunks`` for up to TILE rows: where a chunk's codes fill the registers (AVX2), in two
+ * halves of 4 rows, or a quad pair at a time for 4-bit codes (``tile_quads``). */
+INLINE void tile(int fmt, const uint8_t *group, int64_t K, const int8_t *xq, const float *dx, const float *isum,
+                 int R, float *y, int64_t ldy, int valid) {
+#if QUAD_TILES
+    if ((codes_of(fmt) == U4 || fmt == Q8_0) && R > 1) {
+        tile_quads(fmt, group, K, xq, dx, isum, R, y, ldy, valid);
+        return;
+    }
+#endif
+    if (R > CHUNK_ROWS) {
+        int64_t nb = K / 32;
+        tile_chunks(fmt, group, K, xq, dx, isum, CHUNK_ROWS, y, ldy, valid);
+        tile_chunks(fmt, group, K, xq + CHUNK_ROWS * K, dx + CHUNK_ROWS * nb, isum + CHUNK_ROWS * nb, R - CHUNK_ROWS,
+                    y + CHUNK_ROWS * ldy, ldy, valid);
+        return;
+    }
+    tile_chunks(fmt, group, K, xq, dx, isum, R, y, ldy, valid);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -350,9 +436,7 @@ INLINE void group(int fmt, const uint8_t *w, int64_t g, int pair, int64_t N, con
 #endif
     for (; r + TILE <= rows; r += TILE) TILE_CALL(TILE);
     switch (rows - r) {
-#if TILE == 8
     TILE_CASE(7) TILE_CASE(6) TILE_CASE(5) TILE_CASE(4)
-#endif
     TILE_CASE(3) TILE_CASE(2) TILE_CASE(1)
     }
 }
