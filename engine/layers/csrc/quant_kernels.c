@@ -252,10 +252,11 @@ INLINE void tile_chunks(int fmt, const uint8_t *group, int64_t K, const int8_t *
 }
 
 #if !defined(__AVX512F__) && !defined(__AVXVNNI__)
-/* AVX2, 4-bit codes, 3 to 8 rows: ``tile_chunks`` with its loops turned, a quad pair at a time
- * (one load of 32 bytes: quads j and j + 4) against every row, each row's products adding up
- * in 16 bits (its ``quads``: the same exact integers, so the same bits) while only the pair is
- * live: the 16 registers hold 8 rows' sums where a whole unpacked chunk would hold 4. */
+/* AVX2, 4-bit codes or Q8_0, 2 to 8 rows: ``tile_chunks`` with its loops turned, one load of
+ * 32 bytes at a time (4-bit: quads j and j + 4; Q8_0: quad j) against every row, each row's
+ * products adding up as in ``quads`` (the same exact integers, so the same bits) while only
+ * that load is live: the 16 registers hold 8 rows' sums where a whole unpacked chunk would
+ * leave room for 4. */
 INLINE void tile_quads(int fmt, const uint8_t *group, int64_t K, const int8_t *xq, const float *dx,
                        const float *isum, int R, float *y, int64_t ldy, int valid) {
     __m256 acc[TILE];
@@ -311,8 +312,8 @@ INLINE void tile_quads(int fmt, const uint8_t *group, int64_t K, const int8_t *x
 #define QUAD_TILES 0
 #endif
 
-/* ``tile_chunks`` for up to TILE rows: where a chunk's codes fill the registers (AVX2), in two
- * halves of 4 rows, or a quad pair at a time for 4-bit codes (``tile_quads``). */
+/* ``tile_chunks`` for up to TILE rows; where a chunk's codes fill the registers (AVX2), by
+ * ``tile_quads`` for the formats it takes, else in two halves of 4 rows. */
 INLINE void tile(int fmt, const uint8_t *group, int64_t K, const int8_t *xq, const float *dx, const float *isum,
                  int R, float *y, int64_t ldy, int valid) {
 #if QUAD_TILES
