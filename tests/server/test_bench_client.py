@@ -33,3 +33,14 @@ def test_concurrent_streams(server):
 def test_an_error_status_is_raised_with_its_body(server):
     with pytest.raises(StreamError, match="400.*max_tokens"):
         asyncio.run(stream_chat(server.url, chat_body("Hi", -1)))
+
+
+def test_peer_servers_take_suffix_decoding(tmp_path):
+    import json
+
+    from bench.peers import server_command
+
+    cmd, _, _ = server_command("specserve-float32-suffix", 8000, tmp_path)
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == {"method": "suffix"}
+    assert cmd[cmd.index("--quantization") + 1] == "none"
+    assert server_command("vllm-suffix", 8000, tmp_path) is None  # no vLLM installed in tmp_path
