@@ -27,7 +27,7 @@ measured after it:
 specserve serves the default model from its GGUF file's Q4_1 blocks, as llama.cpp does;
 ``specserve-float32`` serves its float32 conversion (``--quantization none``), as vLLM does;
 a ``-ngram`` suffix adds prompt lookup (``specserve-float32-ngram``), ``-suffix`` suffix decoding
-(``vllm-suffix`` with ``arctic-inference`` installed beside vLLM; ``bench.suffix --servers``).
+(``vllm-suffix`` with ``arctic-inference`` installed beside vLLM; ``bench.suffix_peers``).
 
 Greedy texts are kept, and each pair of servers is counted for identical
 texts. The peers are looked for in ``--peers-dir`` (default ``~/peers``):

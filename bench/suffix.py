@@ -18,11 +18,8 @@ and suffix.png (acceptance by tree depth).
 """
 
 import argparse
-import os
-import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 
 from bench.agent_workload import workloads
 from bench.common import RESULTS, markdown_table, rotated, write_report
@@ -34,7 +31,6 @@ METHODS = {
     "suffix-chain": {"method": "suffix", "tree_width": 1},  # on request (--methods): chains only
 }
 DEFAULT_METHODS = "plain,ngram,suffix"
-SERVED = "specserve,specserve-suffix,specserve-float32,specserve-float32-suffix,vllm,vllm-suffix"
 
 
 def build_engines(methods: list[str]) -> dict:
@@ -82,75 +78,6 @@ def run_sessions(engine, sessions: list[list[str]], concurrency: int, max_tokens
                 if len(outputs[s]) < len(sessions[s]):
                     pending.insert(0, s)
     return {"outputs": outputs, "seconds": time.perf_counter() - t0, "spec": spec}
-
-
-def served(names: list[str], sets: dict, max_tokens: int, peers_dir: Path) -> list[list]:
-    """Each workload's sessions at batch 1 through servers (``bench.peers.server_command``
-    names, all up at once): a session's turns go to one server, then to the next, the
-    order rotated session by session, each server left idle first. Per workload and
-    server: tokens, tok/s, the speedup over the same server without ``-suffix``, and
-    whether every greedy text equals that server's."""
-    from bench import peers
-    from bench.server_procs import free_port, stop
-
-    procs, urls = [], {}
-    try:
-        for name in names:
-            port = free_port()
-            spec = peers.server_command(name, port, peers_dir)
-            if spec is None:
-                print(f"[{name}] not installed in {peers_dir}; skipped", flush=True)
-                continue
-            procs.append(peers.start(*spec, Path(tempfile.gettempdir()) / f"specserve-suffix-{name}.log"))
-            urls[name] = f"http://127.0.0.1:{port}"
-        for url in urls.values():  # warm-up, not counted
-            _session(url, ["Say hello."], 8)
-        return [row for w, item in enumerate(sets.items()) for row in _served_workload(urls, *item, w, max_tokens,
-                                                                                        [p.pid for p in procs])]
-    finally:
-        for proc in procs:
-            stop(proc, 60)
-
-
-def _served_workload(urls: dict, wname: str, sessions: list[list[str]], w: int, max_tokens: int,
-                     pids: list[int]) -> list[list]:
-    from bench.server_procs import settle
-
-    runs = {n: {"tokens": 0, "seconds": 0.0, "texts": []} for n in urls}
-    for i, session in enumerate(sessions):
-        for n in rotated(list(urls), i + w):
-            settle(pids)
-            tokens, seconds, texts = _session(urls[n], session, max_tokens)
-            runs[n]["tokens"] += tokens
-            runs[n]["seconds"] += seconds
-            runs[n]["texts"] += texts
-    rows = []
-    for n, r in runs.items():
-        plain = runs.get(n.replace("-suffix", ""), r)
-        speed = r["tokens"] / r["seconds"] / (plain["tokens"] / plain["seconds"])
-        rows.append([wname, n, r["tokens"], r["tokens"] / r["seconds"], speed,
-                     "yes" if r["texts"] == plain["texts"] else "NO"])
-        print(rows[-1], flush=True)
-    return rows
-
-
-def _session(url: str, turns: list[str], max_tokens: int) -> tuple[int, float, list[str]]:
-    """One session's turns, each sent with the conversation so far (greedy, ends at EOS):
-    completion tokens, wall seconds, the answers."""
-    import httpx
-
-    history, tokens, texts = [], 0, []
-    t = time.perf_counter()
-    for turn in turns:
-        history.append({"role": "user", "content": turn})
-        body = {"model": "smol", "messages": history, "max_tokens": max_tokens, "temperature": 0}
-        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=900)
-        r.raise_for_status()
-        out = r.json()
-        tokens += out["usage"]["completion_tokens"]
-        texts.append(out["choices"][0]["message"]["content"])
-        history.append({"role": "assistant", "content": texts[-1]})
-    return tokens, time.perf_counter() - t, texts
 
 
 def acceptance(spec: list[dict]) -> tuple[float, list[float]]:
@@ -271,16 +198,11 @@ def main() -> None:
     ap.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, of {', '.join(METHODS)}")
     ap.add_argument("--workloads", default=None, help="comma-separated subset")
     ap.add_argument("--cost-requests", type=int, default=64, help="concurrent requests of the cost measurement (0: none)")
-    ap.add_argument("--servers", default=None,
-                    help="instead, at batch 1 through these servers (bench.peers names), e.g. " + SERVED)
-    ap.add_argument("--peers-dir", type=Path, default=Path(os.environ.get("PEERS", Path.home() / "peers")))
     args = ap.parse_args()
     methods = [m for m in METHODS if m in args.methods.split(",") or m == "plain"]
     sets = workloads(args.scale)
     if args.workloads:
         sets = {k: v for k, v in sets.items() if k in args.workloads.split(",")}
-    if args.servers:
-        return main_served(args, sets)
     engines = build_engines(methods)
     for e in engines.values():  # warm-up: first-call costs stay out of the figures
         run_sessions(e, [["Say hello."]], 1, 8)
@@ -307,30 +229,6 @@ def main() -> None:
         cmd += f" --workloads {args.workloads}"
     plot(depths)  # first: the report's page lists the picture
     write_report("suffix", "Suffix decoding on agent-like traffic (greedy, default model)", body, cmd)
-
-
-def main_served(args, sets: dict) -> None:
-    rows = served(args.servers.split(","), sets, args.max_tokens, args.peers_dir)
-    body = markdown_table(["workload", "server", "tokens", "tok/s", "speedup over its plain", "greedy = its plain"],
-                          rows)
-    tot = defaultdict(lambda: [0, 0.0])
-    for w, n, tokens, rate, *_ in rows:
-        if w != "spec-bench":
-            tot[n][0] += tokens
-            tot[n][1] += tokens / rate
-    lines = []
-    for n, (t, sec) in tot.items():
-        plain = tot.get(n.replace("-suffix", ""))
-        lines.append(f"- {n}: {t / sec:.1f} tok/s" + (f", {t / sec / (plain[0] / plain[1]):.2f}x its plain"
-                                                      if n.endswith("-suffix") and plain else ""))
-    body += ("\n\nAgent-like workloads together (tokens over seconds):\n\n" + "\n".join(lines) +
-             "\n\nBatch 1, greedy, each turn ending at EOS or --max-tokens, the conversation so far sent with each "
-             "turn; servers as bench.peers starts them (specserve: the default Q4_1 model; -float32 and vLLM: its "
-             "float32 conversion), suffix decoding with {\"method\": \"suffix\"} (vLLM's defaults) on each.")
-    cmd = f"python -m bench.suffix --servers {args.servers} --scale {args.scale} --max-tokens {args.max_tokens}"
-    if args.workloads:
-        cmd += f" --workloads {args.workloads}"
-    write_report("suffix_peers", "Suffix decoding beside vLLM's, through each HTTP server (batch 1, greedy)", body, cmd)
 
 
 def speedup_lines(rows: list[list]) -> str:
