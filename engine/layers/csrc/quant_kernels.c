@@ -118,10 +118,19 @@ typedef struct {
 
 static inline __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
-INLINE void load_chunk(int fmt, const uint8_t *group, int64_t c, chunk_t *w) {
+/* Chunk c of a group: its K-quant header (per 256 weights; the group itself for the others) and its codes. */
+static inline const uint8_t *chunk_head(int fmt, const uint8_t *group, int64_t c) {
     int64_t h = header_bytes(fmt);
-    const uint8_t *head = group + (h ? (c / 8) * (h + 8 * chunk_bytes(fmt)) : 0);
-    const uint8_t *p = h ? head + h + (c % 8) * chunk_bytes(fmt) : group + c * chunk_bytes(fmt);
+    return group + (h ? (c / 8) * (h + 8 * chunk_bytes(fmt)) : 0);
+}
+
+static inline const uint8_t *chunk_codes(int fmt, const uint8_t *group, int64_t c) {
+    int64_t h = header_bytes(fmt);
+    return h ? chunk_head(fmt, group, c) + h + (c % 8) * chunk_bytes(fmt) : group + c * chunk_bytes(fmt);
+}
+
+INLINE void load_chunk(int fmt, const uint8_t *group, int64_t c, chunk_t *w) {
+    const uint8_t *head = chunk_head(fmt, group, c), *p = chunk_codes(fmt, group, c);
     int kind = codes_of(fmt);
     if (kind == U4) {
         const __m256i low = _mm256_set1_epi8(15);
@@ -205,6 +214,15 @@ INLINE __m256i quads(int kind, const chunk_t *w, const int8_t *x, int lo, int hi
 #endif /* PREFETCH: bytes ahead of the chunk read, into L1: the panels stream from memory (or L3), and
         * a far distance keeps more lines in flight than the core's own streamer does (docs/cpu.md) */
 
+/* The panel's lines PREFETCH bytes past chunk c of a group (a chunk's bytes and its share of a header apart). */
+INLINE void prefetch_ahead(int fmt, const uint8_t *group, int64_t c) {
+    int64_t stride = chunk_bytes(fmt) + header_bytes(fmt) / 8;
+    _mm_prefetch((const char *)group + c * stride + PREFETCH, _MM_HINT_T0);
+    _mm_prefetch((const char *)group + c * stride + PREFETCH + 64, _MM_HINT_T0);
+    if (stride > 128) _mm_prefetch((const char *)group + c * stride + PREFETCH + 128, _MM_HINT_T0);
+    if (stride > 192) _mm_prefetch((const char *)group + c * stride + PREFETCH + 192, _MM_HINT_T0);
+}
+
 /* acc[r] (8 lanes: weight rows) to y[r * ldy ..], its first ``valid`` lanes, r < R. */
 INLINE void store_rows(const __m256 *acc, int R, float *y, int64_t ldy, int valid) {
     for (int r = 0; r < R; r++) {
@@ -226,12 +244,8 @@ INLINE void tile_chunks(int fmt, const uint8_t *group, int64_t K, const int8_t *
     __m256 acc[TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     int kind = codes_of(fmt), split = R == 1 ? 4 : R == 2 ? 2 : 1;
-    int64_t stride = chunk_bytes(fmt) + header_bytes(fmt) / 8;
     for (int64_t c = 0; c < K / 32; c++) {
-        _mm_prefetch((const char *)group + c * stride + PREFETCH, _MM_HINT_T0);
-        _mm_prefetch((const char *)group + c * stride + PREFETCH + 64, _MM_HINT_T0);
-        if (stride > 128) _mm_prefetch((const char *)group + c * stride + PREFETCH + 128, _MM_HINT_T0);
-        if (stride > 192) _mm_prefetch((const char *)group + c * stride + PREFETCH + 192, _MM_HINT_T0);
+        prefetch_ahead(fmt, group, c);
         chunk_t w;
         load_chunk(fmt, group, c, &w);
         UNROLL(UNROLL_ROWS)
@@ -262,14 +276,10 @@ INLINE void tile_quads(int fmt, const uint8_t *group, int64_t K, const int8_t *x
     __m256 acc[TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    int64_t h = header_bytes(fmt), nb = K / 32, stride = chunk_bytes(fmt) + h / 8;
+    int64_t nb = K / 32;
     for (int64_t c = 0; c < nb; c++) {
-        _mm_prefetch((const char *)group + c * stride + PREFETCH, _MM_HINT_T0);
-        _mm_prefetch((const char *)group + c * stride + PREFETCH + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)group + c * stride + PREFETCH + 128, _MM_HINT_T0);
-        if (stride > 192) _mm_prefetch((const char *)group + c * stride + PREFETCH + 192, _MM_HINT_T0);
-        const uint8_t *p = h ? group + (c / 8) * (h + 8 * chunk_bytes(fmt)) + h + (c % 8) * chunk_bytes(fmt)
-                             : group + c * chunk_bytes(fmt);
+        prefetch_ahead(fmt, group, c);
+        const uint8_t *p = chunk_codes(fmt, group, c);
         __m256i sum[TILE];
         for (int r = 0; r < R; r++) sum[r] = _mm256_setzero_si256();
         if (fmt == Q8_0) {
