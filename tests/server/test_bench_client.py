@@ -1,9 +1,11 @@
 """The benchmarks' lean streaming client (bench.sse_client) reads what the OpenAI client reads."""
 
 import asyncio
+import json
 
 import pytest
 
+from bench.peers import server_command
 from bench.sse_client import StreamError, chat_body, stream_chat
 from tests.server.conftest import MODEL
 
@@ -36,10 +38,6 @@ def test_an_error_status_is_raised_with_its_body(server):
 
 
 def test_peer_servers_take_suffix_decoding(tmp_path):
-    import json
-
-    from bench.peers import server_command
-
     cmd, _, _ = server_command("specserve-float32-suffix", 8000, tmp_path)
     assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == {"method": "suffix"}
     assert cmd[cmd.index("--quantization") + 1] == "none"
