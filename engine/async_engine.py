@@ -71,6 +71,15 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def config(self):
+        return self.engine.config
+
+    @property
+    def stat_loggers(self) -> list:
+        """Called with each step's ``StepStats`` on the engine thread."""
+        return self.engine.stat_loggers
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
@@ -115,23 +124,7 @@ class AsyncEngine:
         except asyncio.CancelledError:  # the caller went away: the engine may have added it
             self.abort(request_id)
             raise
-        return self._iterate(request_id, stream)
-
-    async def _iterate(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True  # never added, or already ended by the engine: nothing to abort
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:  # the consumer went away (client disconnect, cancellation)
-                self.abort(request_id)
+        return iterate_stream(self, request_id, stream)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -193,24 +186,7 @@ class AsyncEngine:
             self.engine.abort_request(msg.request_id)
 
     def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
-            log.error("engine step failed: %s", traceback.format_exc())
-            error = f"internal error: {type(e).__name__}"
-            outputs = self.engine.fail_running(error)
-            outputs += self._lost_in_step(outputs, error)
-        self._deliver_step(outputs)
-
-    def _lost_in_step(self, failed: list[RequestOutput], error: str) -> list[RequestOutput]:
-        """Requests that ended inside a step that then raised: the engine no longer
-        has them and their last delta was lost, so their streams end with an error."""
-        done = {out.request_id for out in failed}
-        return [
-            RequestOutput(rid, [], "", finished=True, finish_reason="error", error=error)
-            for rid in self._streams
-            if not self.engine.has_request(rid) and rid not in done
-        ]
+        self._deliver_step(step_outputs(self.engine, self._streams))
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs, handed to each event loop in one call: one wake-up of
@@ -257,6 +233,43 @@ class AsyncEngine:
                 log.exception("could not abort %s", rid)
             _send(msg, error)
         self._streams.clear()
+
+
+def step_outputs(engine: LLMEngine, live) -> list[RequestOutput]:
+    """One step's outputs. A step that raises fails its running requests and the server
+    keeps serving; requests in ``live`` (ids with a stream) that ended inside the failed
+    step lost their last delta, so their streams end with the error too."""
+    try:
+        return engine.step()
+    except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
+        log.error("engine step failed: %s", traceback.format_exc())
+        error = f"internal error: {type(e).__name__}"
+        failed = engine.fail_running(error)
+        done = {out.request_id for out in failed}
+        return failed + [
+            RequestOutput(rid, [], "", finished=True, finish_reason="error", error=error)
+            for rid in live
+            if not engine.has_request(rid) and rid not in done
+        ]
+
+
+async def iterate_stream(client, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    """A request's deltas from its stream until the finished one; ``client.abort`` ends the
+    request when the consumer goes away first (client disconnect, cancellation)."""
+    finished = False
+    try:
+        while True:
+            item = await stream.get()
+            if isinstance(item, BaseException):
+                finished = True  # never added, or already ended by the engine: nothing to abort
+                raise item
+            yield item
+            if item.finished:
+                finished = True
+                return
+    finally:
+        if not finished:
+            client.abort(request_id)
 
 
 def _put_all(items: list[tuple[_Add, RequestOutput]]) -> None:

@@ -1,9 +1,11 @@
 """The FastAPI app factory: routes, error bodies, middleware, and the engine's lifetime.
 
-``create_app(settings)`` builds an app whose lifespan loads the model, starts
-the engine thread and, on the way out, aborts what is left and stops the
-engine. Tests pass a ready ``LLMEngine`` (``llm_engine=``) to share one loaded
-model between apps; its own config then wins over the settings' engine fields.
+``create_app(settings)`` builds an app whose lifespan starts the engine core in
+its own process (``EngineCoreClient``; with ``--disable-frontend-multiprocessing``
+it loads the model here and runs the engine on a thread, ``AsyncEngine``) and, on
+the way out, aborts what is left and stops the engine. Tests pass a ready
+``LLMEngine`` (``llm_engine=``) to share one loaded model between apps (on a
+thread); its own config then wins over the settings' engine fields.
 """
 
 import asyncio
@@ -19,6 +21,7 @@ from api.errors import install_error_handlers
 from api.openapi import install_openapi
 from api.routes import router
 from engine.async_engine import AsyncEngine
+from engine.core_process import EngineCoreClient
 from engine.utils.heap import freeze_startup_heap
 from engine.llm_engine import LLMEngine
 from server.middleware import BearerAuth, BodyLimit, RequestContext
@@ -52,28 +55,32 @@ def create_app(settings: ServerSettings | None = None, llm_engine: LLMEngine | N
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        llm = llm_engine or await asyncio.to_thread(LLMEngine, settings.engine_config())
-        if llm_engine is None:
+        llm = None
+        if llm_engine is None and not settings.disable_frontend_multiprocessing:
+            engine = await asyncio.to_thread(EngineCoreClient, settings.engine_config())
             freeze_startup_heap()
-        engine = AsyncEngine(llm)
+        else:
+            llm = llm_engine or await asyncio.to_thread(LLMEngine, settings.engine_config())
+            if llm_engine is None:
+                freeze_startup_heap()
+            engine = AsyncEngine(llm)
         serving = ServingEngine(engine, settings)
-        spec = llm.config.speculative
+        spec = engine.config.speculative
         on_step = serving.metrics.attach_engine(spec.method, spec.num_speculative_tokens).on_step
-        llm.stat_loggers.append(on_step)
+        engine.stat_loggers.append(on_step)
         app.state.specserve = AppState(settings, serving, CompletionServing(serving), ChatServing(serving))
         log.info(
             "serving",
-            extra={
-                "fields": {"model": serving.model_names[0], "path": llm.model_path, "max_model_len": llm.max_model_len}
-            },
+            extra={"fields": {"model": serving.model_names[0], "path": engine.model_path,
+                              "max_model_len": engine.max_model_len}},
         )
         try:
             yield
         finally:
             aborted = serving.abort_all("shutdown")
             await asyncio.to_thread(engine.shutdown)
-            llm.stat_loggers.remove(on_step)
-            if llm_engine is None:  # ours to close: stops tensor-parallel workers
+            engine.stat_loggers.remove(on_step)
+            if llm is not None and llm_engine is None:  # ours to close: stops tensor-parallel workers
                 await asyncio.to_thread(llm.close)
             log.info("engine stopped", extra={"fields": {"aborted": aborted}})
 

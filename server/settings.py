@@ -46,6 +46,10 @@ class ServerSettings(BaseSettings):
         "auto picks flash_attn on CUDA when it is installed, else torch_varlen on CUDA, cpu on a float32 CPU "
         "where the kernels build, else torch",
     )
+    disable_frontend_multiprocessing: bool = Field(
+        False, description="run the engine on a thread of the server's process, not in an engine-core process of its "
+        "own (the default: the HTTP front end and the engine's Python then never wait on one interpreter lock)"
+    )
     enforce_eager: bool = Field(
         False, description="run every step eagerly: no CUDA graphs (on CUDA, decodes and chain verification are "
         "otherwise replayed from graphs captured at start-up; never on the CPU); see docs/gpu.md"

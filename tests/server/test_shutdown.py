@@ -6,6 +6,7 @@ keeps no module-scoped server on the shared engine.
 import json
 import signal
 import subprocess
+from pathlib import Path
 import sys
 import threading
 import time
@@ -78,11 +79,36 @@ def test_graceful_shutdown(llm_engine, timeout, finishes):
     wait_idle(llm_engine, timeout=5)
 
 
-@pytest.mark.slow  # multi-process
-def test_sigterm_drains_a_real_server(tmp_path):
-    """``specserve serve`` in a subprocess: SIGTERM mid-stream, the stream still ends
-    normally, the process exits."""
-    port = free_port()
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid`` (from /proc)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie (an orphan's zombie may wait for a pid 1 that never reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while any(alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"still running: {[pid for pid in pids if alive(pid)]}"
+        time.sleep(0.1)
+
+
+def start_real_server(tmp_path, port: int) -> subprocess.Popen:
+    """``specserve serve`` of the default model in a subprocess, healthy (or the test fails)."""
     log = open(tmp_path / "serve.log", "w")
     cmd = [
         sys.executable,
@@ -101,16 +127,28 @@ def test_sigterm_drains_a_real_server(tmp_path):
         "20",
     ]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail((tmp_path / "serve.log").read_text()[-3000:])
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
+@pytest.mark.slow  # multi-process
+def test_sigterm_drains_a_real_server(tmp_path):
+    """``specserve serve`` in a subprocess: SIGTERM mid-stream, the stream still ends
+    normally, the process and its engine core exit."""
+    port = free_port()
+    proc = start_real_server(tmp_path, port)
+    core = children(proc.pid)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         body = {**LONG, "max_tokens": 16}
         with httpx.Client(base_url=url, timeout=60) as http, http.stream("POST", "/v1/completions", json=body) as r:
             lines = r.iter_lines()
@@ -123,9 +161,26 @@ def test_sigterm_drains_a_real_server(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-        log.close()
     text = (tmp_path / "serve.log").read_text()
     assert "draining" in text and "Finished server process" in text
+    assert core
+    wait_gone(core)
+
+
+@pytest.mark.slow  # multi-process
+def test_the_engine_core_exits_when_its_server_is_killed(tmp_path):
+    """SIGKILL leaves the server no time to stop its engine core: the core sees its pipe
+    close and exits by itself, so no orphan holds the model and the cores."""
+    proc = start_real_server(tmp_path, free_port())
+    try:
+        core = [pid for pid in children(proc.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        assert len(core) == 1
+        proc.kill()
+        proc.wait(10)
+        wait_gone(core)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_dead_engine_is_503(llm_engine):
