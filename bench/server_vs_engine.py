@@ -80,10 +80,12 @@ def main() -> None:
         offline(llm, loads["batch 1"])  # warm-up of all
         for url in urls.values():
             served(url, loads["batch 1"])
-        for _ in range(args.repeats):
+        for repeat in range(args.repeats):
+            order = list(urls) if repeat % 2 == 0 else list(urls)[::-1]  # no server always runs first
             for load, prompts in loads.items():
                 rates.setdefault((load, "engine"), []).append(offline(llm, prompts))
-                for name, url in urls.items():
+                for name in order:
+                    url = urls[name]
                     rate, cpu = served(url, prompts)
                     rates.setdefault((load, name), []).append(rate)
                     rates.setdefault((load, name, "client"), []).append(cpu)
@@ -103,7 +105,8 @@ def main() -> None:
     for name in SERVERS:
         head += [f"server, {name}: tok/s", "/ engine"]
     body = markdown_table(head + [f"target {TARGET} (core process)", "client CPU s per run"], rows)
-    body += (f"\n\nMedians of {args.repeats} alternating runs; greedy, {MAX_TOKENS} new tokens with ignore_eos, "
+    body += (f"\n\nMedians of {args.repeats} alternating runs (the servers' order swapped each repeat); greedy, "
+             f"{MAX_TOKENS} new tokens with ignore_eos, "
              f"prompt processing included; OpenMP runtime: {openmp.describe()}. The core-process server is the "
              "default `specserve serve`; the engine-thread one runs with `--disable-frontend-multiprocessing`. "
              "The client (bench.sse_client: asyncio, one thread, every event parsed) runs on the same cores.")
