@@ -18,6 +18,7 @@ outlives the server.
 import asyncio
 import logging
 import multiprocessing as mp
+import queue
 import threading
 import traceback
 from collections.abc import AsyncIterator, Callable
@@ -122,7 +123,7 @@ class EngineCoreClient:
         self._proc.start()
         child.close()
         self.config = config
-        self._send_lock = threading.Lock()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # to the core, sent by the writer thread
         self._streams: dict[str, _Add] = {}
         self._adding: dict[str, _Add] = {}  # sent, not yet answered by the core
         self.stat_loggers: list[Callable] = []  # called with each step's StepStats on the reader thread
@@ -147,7 +148,9 @@ class EngineCoreClient:
         self._device_info: dict[str, str] = info["device_info"]
         self.snapshot: EngineSnapshot = info["snapshot"]
         self._reader = threading.Thread(target=self._read, name="specserve-engine-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write, name="specserve-engine-writer", daemon=True)
         self._reader.start()
+        self._writer.start()
 
     @property
     def is_running(self) -> bool:
@@ -162,9 +165,10 @@ class EngineCoreClient:
     def device_info(self) -> dict[str, str]:
         return dict(self._device_info)
 
-    def _post(self, msg: tuple) -> None:
-        with self._send_lock:
-            self._conn.send(msg)
+    def _post(self, msg: tuple | None) -> None:
+        """Queues ``msg`` for the core (None: no more); never blocks the event loop, even
+        while the core is inside a long step and the pipe is full."""
+        self._outbox.put(msg)
 
     async def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
@@ -175,11 +179,7 @@ class EngineCoreClient:
         stream: asyncio.Queue = asyncio.Queue()
         add = _Add(request_id, prompt, params, stream, loop, loop.create_future())
         self._adding[request_id] = add
-        try:
-            self._post(("add", request_id, prompt, params))
-        except OSError:
-            self._adding.pop(request_id, None)
-            raise EngineDeadError("the engine is not running") from None
+        self._post(("add", request_id, prompt, params))
         if self.dead_error is not None and self._adding.pop(request_id, None) is not None:
             raise EngineDeadError("the engine stopped")  # died meanwhile, after the reader failed the others
         try:
@@ -190,17 +190,13 @@ class EngineCoreClient:
         return iterate_stream(self, request_id, stream)
 
     def abort(self, request_id: str) -> None:
-        try:
-            self._post(("abort", request_id))
-        except OSError:  # the core is gone: its requests were failed already
-            pass
+        self._post(("abort", request_id))  # a no-op once the core is gone: its requests were failed already
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping = True
-        try:
-            self._post(("stop",))
-        except OSError:
-            pass
+        self._post(("stop",))
+        self._post(None)
+        self._writer.join(timeout)
         self._proc.join(timeout)
         if self._proc.is_alive():
             self._proc.kill()
@@ -208,7 +204,14 @@ class EngineCoreClient:
         self._conn.close()
         self._reader.join(timeout)
 
-    # ---- reader thread ----
+    # ---- writer and reader threads ----
+
+    def _write(self) -> None:
+        while (msg := self._outbox.get()) is not None:
+            try:
+                self._conn.send(msg)
+            except (OSError, ValueError):  # the core is gone (the reader fails the streams), or the pipe closed
+                return
 
     def _read(self) -> None:
         try:
@@ -221,7 +224,10 @@ class EngineCoreClient:
                     self._deliver_step(outputs)
                     for s in stats:
                         for logger in self.stat_loggers:
-                            logger(s)
+                            try:
+                                logger(s)
+                            except Exception:
+                                log.exception("stat logger failed")
                 elif kind == "added":
                     add = self._adding.pop(msg[1], None)
                     if add is not None:

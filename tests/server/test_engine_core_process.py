@@ -113,6 +113,23 @@ def test_step_statistics_reach_the_metrics(core_server):
     assert metric(core_server, "specserve_step_tokens_count") >= steps + 10
 
 
+def test_a_failing_stat_logger_does_not_stop_serving(core_server):
+    client = core_server.serving.engine
+    calls = []
+
+    def broken(stats):
+        calls.append(stats)
+        raise RuntimeError("a metrics fault")
+
+    client.stat_loggers.append(broken)
+    try:
+        assert completion(core_server, PROMPTS[0], max_tokens=6)["usage"]["completion_tokens"] == 6
+        assert completion(core_server, PROMPTS[2], max_tokens=6)["usage"]["completion_tokens"] == 6
+    finally:
+        client.stat_loggers.remove(broken)
+    assert calls and client.is_running
+
+
 def test_a_core_that_dies_fails_its_streams_and_the_server_answers_503(core_server):
     client = core_server.serving.engine
     body = {"prompt": PROMPTS[1], "max_tokens": 800, "temperature": 0, "stream": True, "ignore_eos": True}
