@@ -48,9 +48,13 @@ def _raise_refusal(kind: str, param: str, message: str) -> BaseException:
     return RuntimeError(f"{kind}: {message}")
 
 
-def run_core(config: EngineConfig, conn) -> None:
-    """The core process's entry point (a ``multiprocessing`` spawn target)."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+def run_core(config: EngineConfig, conn, log_setup: Callable[[], None] | None = None) -> None:
+    """The core process's entry point (a ``multiprocessing`` spawn target); ``log_setup``
+    configures its logging as the server's (a picklable callable, such as a ``partial``)."""
+    if log_setup is not None:
+        log_setup()
+    else:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         from engine.llm_engine import LLMEngine
         from engine.utils.heap import freeze_startup_heap
@@ -115,11 +119,11 @@ def _core_loop(engine, conn, stats: list) -> None:
 class EngineCoreClient:
     """The front end of a core process: ``AsyncEngine``'s interface over a pipe."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, log_setup: Callable[[], None] | None = None):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         # Not a daemon: the core starts tensor-parallel workers of its own. It exits when the pipe closes.
-        self._proc = ctx.Process(target=run_core, args=(config, child), name="specserve-engine-core")
+        self._proc = ctx.Process(target=run_core, args=(config, child, log_setup), name="specserve-engine-core")
         self._proc.start()
         child.close()
         self.config = config

@@ -11,6 +11,7 @@ thread); its own config then wins over the settings' engine fields.
 import asyncio
 import logging
 from contextlib import asynccontextmanager
+from functools import partial
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
@@ -24,6 +25,7 @@ from engine.async_engine import AsyncEngine
 from engine.core_process import EngineCoreClient
 from engine.utils.heap import freeze_startup_heap
 from engine.llm_engine import LLMEngine
+from server.logs import configure_logging
 from server.middleware import BearerAuth, BodyLimit, RequestContext
 from server.serving import ServingEngine
 from server.serving_chat import ChatServing
@@ -57,7 +59,8 @@ def create_app(settings: ServerSettings | None = None, llm_engine: LLMEngine | N
     async def lifespan(app: FastAPI):
         llm = None
         if llm_engine is None and not settings.disable_frontend_multiprocessing:
-            engine = await asyncio.to_thread(EngineCoreClient, settings.engine_config())
+            log_setup = partial(configure_logging, settings.log_level, settings.log_format)  # the core logs as we do
+            engine = await asyncio.to_thread(EngineCoreClient, settings.engine_config(), log_setup)
             freeze_startup_heap()
         else:
             llm = llm_engine or await asyncio.to_thread(LLMEngine, settings.engine_config())

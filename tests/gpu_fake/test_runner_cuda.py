@@ -41,11 +41,14 @@ def test_prompt_logprobs_on_cuda():
         assert [lp.token_id for lp in req.prompt_logprobs] == [4, 5, 6, 7]
 
 
+@pytest.mark.slow  # its paths run on fake CUDA in the default suite: test_model_cuda, the logprob and drafter tests
 def test_the_device_checks_cuda_paths_on_fake_cuda():
     """bench.gpu_paths, the device check's section for these paths, runs on fake CUDA too."""
     from types import SimpleNamespace
 
     import torch
+
+    from transformers import LlamaForCausalLM  # noqa: F401 - before fake CUDA: its module reads torch.cuda at import
 
     from bench.gpu_paths import cuda_paths
 

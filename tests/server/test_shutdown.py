@@ -107,7 +107,7 @@ def wait_gone(pids: list[int], timeout: float = 15) -> None:
         time.sleep(0.1)
 
 
-def start_real_server(tmp_path, port: int) -> subprocess.Popen:
+def start_real_server(tmp_path, port: int, *extra: str) -> subprocess.Popen:
     """``specserve serve`` of the default model in a subprocess, healthy (or the test fails)."""
     log = open(tmp_path / "serve.log", "w")
     cmd = [
@@ -125,6 +125,7 @@ def start_real_server(tmp_path, port: int) -> subprocess.Popen:
         str(64 << 20),
         "--shutdown-timeout",
         "20",
+        *extra,
     ]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     log.close()
@@ -170,8 +171,9 @@ def test_sigterm_drains_a_real_server(tmp_path):
 @pytest.mark.slow  # multi-process
 def test_the_engine_core_exits_when_its_server_is_killed(tmp_path):
     """SIGKILL leaves the server no time to stop its engine core: the core sees its pipe
-    close and exits by itself, so no orphan holds the model and the cores."""
-    proc = start_real_server(tmp_path, free_port())
+    close and exits by itself, so no orphan holds the model and the cores. The core logs
+    as the server does (here one JSON object per line)."""
+    proc = start_real_server(tmp_path, free_port(), "--log-format", "json")
     try:
         core = [pid for pid in children(proc.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
         assert len(core) == 1
@@ -181,6 +183,8 @@ def test_the_engine_core_exits_when_its_server_is_killed(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+    ready = [json.loads(line) for line in (tmp_path / "serve.log").read_text().splitlines() if "engine ready" in line]
+    assert ready and ready[0]["logger"] == "engine.llm_engine"
 
 
 def test_dead_engine_is_503(llm_engine):

@@ -134,6 +134,7 @@ def _unmasked(logits, requests, prefixes=None):
     return logits
 
 
+@pytest.mark.slow  # a power check: the distribution test it backs runs in the default suite
 def test_the_test_rejects_a_drafter_whose_q_is_not_masked(monkeypatch):
     """The draft model samples from its unmasked q (and reports it honestly); its drafts
     outside the grammar are cut, which is exact only for a masked q."""
@@ -143,6 +144,7 @@ def test_the_test_rejects_a_drafter_whose_q_is_not_masked(monkeypatch):
     assert exact_p_value(counts, outside, exact_masked_joint(SETTINGS[0])) < 1e-3
 
 
+@pytest.mark.slow  # a power check: the distribution test it backs runs in the default suite
 def test_the_test_rejects_a_target_whose_p_is_not_masked(monkeypatch):
     monkeypatch.setattr(engine.worker.runner, "apply_bitmask", lambda logits, rows, bitmask: logits)  # the runner's mask
     counts, outside, _ = sample_masked_joint(grammar_engine("ngram"), SETTINGS[0])

@@ -11,6 +11,7 @@ probabilities as q = 0, and a drafter that reports a q other than the one it
 sampled from, are both caught."""
 
 import numpy as np
+import pytest
 import torch
 
 import engine.spec_decode.metadata
@@ -104,6 +105,7 @@ def _deterministic_as_q_zero(flat_ids, probs, k, vocab_size, device):
     return q
 
 
+@pytest.mark.slow  # a power check: the distribution test it backs runs in the default suite
 def test_the_mixed_drafter_test_catches_q_zero_for_deterministic_drafts(monkeypatch):
     monkeypatch.setattr(engine.spec_decode.metadata, "_stack_probs", _deterministic_as_q_zero)
     prompt_lookup, draft_model = mixed_drafter_run()
@@ -151,6 +153,7 @@ def _report_unprocessed_q(q, logits, greedy, counts, noise):
     return [[(t, None if q_i is None else logits[r].softmax(-1)) for t, q_i in kids] for r, kids in enumerate(drawn)]
 
 
+@pytest.mark.slow  # a power check: the distribution test it backs runs in the default suite
 def test_the_processing_test_catches_a_q_other_than_the_one_sampled(monkeypatch):
     monkeypatch.setattr(tree_drafting, "draw", _report_unprocessed_q)
     p_values = processing_run()
