@@ -4,8 +4,8 @@
 with prompt lookup (ngram) and with a model drafter (early exit).
 
 Sampled requests (temperature 1) against five JSON schemas must all parse and
-validate (``jsonschema``): a few per drafter in the default suite, 100 per
-drafter under the ``slow`` marker.
+validate (``jsonschema``): a few per drafter in the default suite (speculation off and
+prompt lookup; early exit's server runs under ``slow``), 100 per drafter under the ``slow`` marker.
 """
 
 import json
@@ -103,7 +103,9 @@ SPEC = {
 }
 
 
-@pytest.fixture(scope="module", params=list(SPEC))
+# The model drafter's server runs under slow (its grammar-masked drafts are checked by
+# distribution in the default suite: tests/spec/test_grammar_distribution.py).
+@pytest.fixture(scope="module", params=["off", "ngram", pytest.param("early_exit", marks=pytest.mark.slow)])
 def spec_server(request, default_engine):
     spec = SPEC[request.param]
     config = EngineConfig(

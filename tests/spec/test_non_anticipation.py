@@ -6,6 +6,7 @@ reference's counterexample, made a drafter that withholds a draft when it is
 a given token, changes the output distribution, and the chi-square catches it.
 """
 
+import pytest
 import torch
 
 from engine.spec_decode.drafter import Draft, Drafter
@@ -143,6 +144,7 @@ def withheld_p_value(cut: str) -> float:
     return p_value(counts, exact_joint(bigram_logits, dict(temperature=1.0)))
 
 
+@pytest.mark.slow  # a power check: the non-anticipation test it backs runs in the default suite
 def test_withholding_a_draft_because_of_its_token_changes_the_distribution():
     assert withheld_p_value("skip") < 1e-3
 
