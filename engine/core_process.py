@@ -32,6 +32,7 @@ from engine.core.stats import EngineSnapshot
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # loading a model (and, on a GPU, capturing graphs) before the core says it is ready
+IDLE_POLL_S = 0.5  # an idle core's wait for a message between health checks
 
 
 def _refusal(e: BaseException) -> tuple[str, str, str]:
@@ -80,6 +81,9 @@ def run_core(config: EngineConfig, conn, log_setup: Callable[[], None] | None = 
         _core_loop(engine, conn, stats)
     except (EOFError, OSError, KeyboardInterrupt):  # the front end went away
         pass
+    except BaseException:
+        log.exception("engine core died")  # the front end sees the pipe close and fails every stream
+        raise
     finally:
         engine.close()
 
@@ -87,11 +91,12 @@ def run_core(config: EngineConfig, conn, log_setup: Callable[[], None] | None = 
 def _core_loop(engine, conn, stats: list) -> None:
     live: set[str] = set()  # requests added and not yet ended
     while True:
-        engine.check_health()
+        engine.check_health()  # a dead tensor-parallel worker ends the core: the front end answers 503
         outputs: list[RequestOutput] = []
-        wait = 0.0 if engine.has_unfinished() else None  # idle: block on the pipe
+        busy = engine.has_unfinished()
+        wait = 0.0 if busy else IDLE_POLL_S  # idle: wait on the pipe, checking health now and then
         while conn.poll(wait):
-            wait = 0.0
+            wait, busy = 0.0, True
             msg = conn.recv()
             if msg[0] == "add":
                 _, rid, prompt, params = msg
@@ -107,6 +112,8 @@ def _core_loop(engine, conn, stats: list) -> None:
                     outputs.append(out)
             elif msg[0] == "stop":
                 return
+        if not busy:
+            continue
         if engine.has_unfinished():
             outputs += step_outputs(engine, live)
         for out in outputs:
