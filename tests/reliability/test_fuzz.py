@@ -40,7 +40,7 @@ CHECKS = [
     response_schema_conformance,
 ]
 GENERATION = {("POST", "/v1/completions"), ("POST", "/v1/chat/completions")}
-EXAMPLES = {GenerationMode.POSITIVE: 50, GenerationMode.NEGATIVE: 40}  # per generation route
+EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 30}  # per generation route
 OTHER_EXAMPLES = 3  # per GET route, positive only: they take no input to break
 MAX_TOKENS = 3  # what one generation may cost
 

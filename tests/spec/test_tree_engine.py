@@ -185,12 +185,12 @@ def model_tree():
     return ModelDrafter(BigramLM(DRAFT), 1, 3000, 16, torch.float32, torch.device("cpu"), 0.1)
 
 
-SLOW = pytest.mark.slow  # the default suite runs the draft model's sampled trees (suffix's: tests/spec/test_suffix.py)
+SLOW = pytest.mark.slow  # the default suite samples trees through the engine in tests/spec/test_suffix.py
 TREE_CASES = [
     pytest.param(ngram_tree, SETTINGS[0], id="ngram-t1.0", marks=SLOW),
     pytest.param(ngram_tree, SETTINGS[1], id="ngram-t0.7-p0.9", marks=SLOW),
     pytest.param(model_tree, SETTINGS[0], id="draft_model-t1.0", marks=SLOW),
-    pytest.param(model_tree, SETTINGS[1], id="draft_model-t0.7-p0.9"),
+    pytest.param(model_tree, SETTINGS[1], id="draft_model-t0.7-p0.9", marks=SLOW),
 ]
 
 
