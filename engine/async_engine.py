@@ -189,24 +189,7 @@ class AsyncEngine:
         self._deliver_step(step_outputs(self.engine, self._streams))
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs, handed to each event loop in one call: one wake-up of
-        the loop per step, not one per request."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Add, RequestOutput]]] = {}
-        for out in outputs:
-            msg = self._streams.get(out.request_id)
-            if msg is None:
-                continue
-            if out.finished:
-                del self._streams[out.request_id]
-            by_loop.setdefault(msg.loop, []).append((msg, out))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # "Event loop is closed": nobody can read these streams any more
-                for msg, out in items:
-                    if not out.finished:
-                        self._streams.pop(out.request_id, None)
-                        self.engine.abort_request(out.request_id)
+        deliver_step(self._streams, outputs, self.engine.abort_request)
 
     def _deliver(self, out: RequestOutput) -> None:
         msg = self._streams.get(out.request_id)
@@ -270,6 +253,28 @@ async def iterate_stream(client, request_id: str, stream: asyncio.Queue) -> Asyn
     finally:
         if not finished:
             client.abort(request_id)
+
+
+def deliver_step(streams: dict[str, _Add], outputs: list[RequestOutput], abort) -> None:
+    """A step's outputs onto their streams, handed to each event loop in one call: one
+    wake-up of the loop per step, not one per request. A finished request leaves
+    ``streams``; one whose event loop has closed is dropped and ended with ``abort(id)``."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Add, RequestOutput]]] = {}
+    for out in outputs:
+        msg = streams.get(out.request_id)
+        if msg is None:
+            continue
+        if out.finished:
+            del streams[out.request_id]
+        by_loop.setdefault(msg.loop, []).append((msg, out))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # "Event loop is closed": nobody can read these streams any more
+            for msg, out in items:
+                if not out.finished:
+                    streams.pop(out.request_id, None)
+                    abort(out.request_id)
 
 
 def _put_all(items: list[tuple[_Add, RequestOutput]]) -> None:

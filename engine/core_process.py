@@ -23,7 +23,7 @@ import threading
 import traceback
 from collections.abc import AsyncIterator, Callable
 
-from engine.async_engine import EngineDeadError, _Add, _answer, _put_all, _send, iterate_stream, step_outputs
+from engine.async_engine import EngineDeadError, _Add, _answer, _send, deliver_step, iterate_stream, step_outputs
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import InvalidParameter, SamplingParams
@@ -232,7 +232,7 @@ class EngineCoreClient:
                 if kind == "step":
                     _, outputs, snapshot, stats = msg
                     self.snapshot = snapshot
-                    self._deliver_step(outputs)
+                    deliver_step(self._streams, outputs, self.abort)
                     for s in stats:
                         for logger in self.stat_loggers:
                             try:
@@ -266,21 +266,3 @@ class EngineCoreClient:
             for add in list(self._streams.values()):
                 _send(add, error)
             self._streams.clear()
-
-    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            add = self._streams.get(out.request_id)
-            if add is None:
-                continue
-            if out.finished:
-                del self._streams[out.request_id]
-            by_loop.setdefault(add.loop, []).append((add, out))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the loop is closed: nobody reads these streams
-                for add, out in items:
-                    if not out.finished:
-                        self._streams.pop(out.request_id, None)
-                        self.abort(out.request_id)
