@@ -39,6 +39,7 @@ KV cache). Writes bench/results/peers.md, peers.json and peers.png.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -115,6 +116,28 @@ def server_command(name: str, port: int, peers: Path, baseline: Path | None = No
         return [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", "2048",
                 "--n_threads", str(os.cpu_count()), "--host", "127.0.0.1", "--port", str(port)], env, None
     raise ValueError(f"unknown server {name!r}")
+
+
+@contextlib.contextmanager
+def servers(names: list[str], peers_dir: Path, baseline: Path | None = None, log_prefix: str = "specserve-peers"):
+    """The installed servers among ``names``, all started at once on loopback (the others
+    skipped, saying so); yields ``({name: url}, processes)`` in the same order and stops
+    them all on the way out."""
+    procs, urls = [], {}
+    try:
+        for name in names:
+            port = free_port()
+            spec = server_command(name, port, peers_dir, baseline)
+            if spec is None:
+                print(f"[{name}] not installed in {peers_dir}; skipped", flush=True)
+                continue
+            print(f"[{name}] starting", flush=True)
+            procs.append(start(*spec, Path(tempfile.gettempdir()) / f"{log_prefix}-{name}.log"))
+            urls[name] = f"http://127.0.0.1:{port}"
+        yield urls, procs
+    finally:
+        for proc in procs:
+            stop(proc, 60)
 
 
 def start(cmd: list[str], env: dict, cwd: Path | None, log_path: Path, timeout: float = 600) -> subprocess.Popen:
@@ -293,23 +316,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="passes over the prompts, every server in each")
     args = ap.parse_args()
     chat_ps, copy_ps, conc_ps = prompts(4, 4, 16)
-    procs, urls = [], {}
-    try:
-        for name in args.servers.split(","):
-            port = free_port()
-            spec = server_command(name, port, args.peers_dir, args.baseline)
-            if spec is None:
-                print(f"[{name}] not installed in {args.peers_dir}; skipped", flush=True)
-                continue
-            print(f"[{name}] starting", flush=True)
-            procs.append(start(*spec, Path(tempfile.gettempdir()) / f"specserve-peers-{name}.log"))
-            urls[name] = f"http://127.0.0.1:{port}"
+    with servers(args.servers.split(","), args.peers_dir, args.baseline) as (urls, procs):
         results = measure(urls, chat_ps, copy_ps, conc_ps, args.rounds, [p.pid for p in procs])
         for name, proc in zip(urls, procs):
             results[name]["rss_mb"] = resident_mb(proc.pid)
-    finally:
-        for proc in procs:
-            stop(proc, 60)
     baseline = f" --baseline {args.baseline}" if args.baseline else ""
     report(results, f"python -m bench.peers --servers {','.join(results)} --rounds {args.rounds}{baseline}")
 

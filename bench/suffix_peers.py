@@ -16,7 +16,6 @@ Writes bench/results/suffix_peers.md.
 
 import argparse
 import os
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -26,31 +25,19 @@ import httpx
 from bench import peers
 from bench.agent_workload import workloads
 from bench.common import markdown_table, rotated, write_report
-from bench.server_procs import free_port, settle, stop
+from bench.server_procs import settle
 
 SERVERS = "specserve,specserve-suffix,vllm,vllm-suffix"
 
 
 def served(names: list[str], sets: dict, max_tokens: int, peers_dir: Path) -> list[list]:
     """Every workload through every installed server: the table's rows."""
-    procs, urls = [], {}
-    try:
-        for name in names:
-            port = free_port()
-            spec = peers.server_command(name, port, peers_dir)
-            if spec is None:
-                print(f"[{name}] not installed in {peers_dir}; skipped", flush=True)
-                continue
-            procs.append(peers.start(*spec, Path(tempfile.gettempdir()) / f"specserve-suffix-peers-{name}.log"))
-            urls[name] = f"http://127.0.0.1:{port}"
+    with peers.servers(names, peers_dir, log_prefix="specserve-suffix-peers") as (urls, procs):
         for url in urls.values():  # warm-up, not counted
             session(url, ["Say hello."], 8)
         pids = [p.pid for p in procs]
         return [row for w, (wname, sessions) in enumerate(sets.items())
                 for row in workload(urls, wname, sessions, w, max_tokens, pids)]
-    finally:
-        for proc in procs:
-            stop(proc, 60)
 
 
 def workload(urls: dict, wname: str, sessions: list[list[str]], w: int, max_tokens: int, pids: list[int]) -> list[list]:
