@@ -164,13 +164,15 @@ def test_paged_attention_of_a_token_does_not_depend_on_the_others(kernel_build):
 
 
 @needs_kernel
-@pytest.mark.parametrize("c, m", [(37, 7), (150, 33), (0, 80)], ids=["in-registers", "key-blocks", "prefill"])
+@pytest.mark.parametrize("c, m", [(37, 7), (150, 33), (0, 80), (250, 9), (700, 3)],
+                         ids=["in-registers", "key-blocks", "prefill", "across-parts", "three-parts"])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 2, 128), (6, 6, 64), (4, 2, 48), (3, 1, 36)])
 def test_paged_attention_of_a_chain_gives_each_row_its_bits_alone(kernel_build, heads, kv_heads, head_dim, c, m):
     """The rows of a draft chain or a prefill chunk share their request's list and are attended together (with
     AVX-512, up to 4 query vectors in registers; with many rows, up to 16 a work item,
-    the keys in blocks of 64, read once for all of them): row i still gets the bits of
-    one query after c + i keys, and the softmax over exactly those keys."""
+    the keys in blocks of 64, read once for all of them; in the AVX2 build, lists past 256 keys
+    in parts of 256 attended apart and merged): row i still gets the bits of one query after
+    c + i keys, and the softmax over exactly those keys."""
     g = torch.Generator().manual_seed(heads * head_dim)
     num_slots = c + m + 27
     k_cache, v_cache = (torch.randn(num_slots, kv_heads, head_dim, generator=g) for _ in range(2))

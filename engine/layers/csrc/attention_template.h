@@ -256,6 +256,15 @@ static void attend512_vectors(const float *const *q, const int64_t *L, int64_t L
  * So a vector's bits never depend on who shares its item, and 8 keys' scores are summed
  * together by a transposing reduction (reduce8) rather than one horizontal sum each. */
 #define AVX2_GROUP 4 /* query vectors per item at least, when there are that many */
+#if defined(__AVX512F__)
+#define PART_KEYS 0 /* the AVX-512 kernels attend whole lists */
+#define PART INT64_MAX
+#else
+#define PART_KEYS 1
+#ifndef PART
+#define PART 256 /* keys of a part: a list's keys split in parts of PART, attended as separate items */
+#endif
+#endif
 #if defined(__AVX512F__) && !defined(AVX512_AMD)
 #define TOUCH_BYTES 0 /* none: on an Intel CPU the passes read as fast alone (an Emerald Rapids Xeon) */
 #else
@@ -321,9 +330,9 @@ static inline void block_rows(const kv_t *cache, const int64_t *sl, int64_t j0, 
     }
 }
 
-/* exp(score - max) in place over a vector's own L keys (the max over them), 0 from there
- * to Lmax; returns their sum. */
-static float softmax256(float *sr, int64_t L, int64_t Lmax) {
+/* exp(score - max) in place over a vector's own L keys (the max over them, to *mx), 0 from
+ * there to Lmax; returns their sum. */
+static float softmax256(float *sr, int64_t L, int64_t Lmax, float *mx) {
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), ninf = _mm256_set1_ps(-INFINITY);
     __m256 mv = ninf;
     for (int64_t j = 0; j < L; j += 8) {
@@ -341,6 +350,7 @@ static float softmax256(float *sr, int64_t L, int64_t Lmax) {
         t = _mm256_add_ps(t, e);
     }
     for (int64_t j = L; j < Lmax; j++) sr[j] = 0.0f;
+    *mx = _mm256_cvtss_f32(m);
     return hsum(t);
 }
 
@@ -385,58 +395,94 @@ static void touch_item(const kv_t *k_cache, const kv_t *v_cache, const int64_t *
     (void)keep;
 }
 
-static void attend256(const float *const *q, const int64_t *L, int64_t Lmax, int nv, const kv_t *k_cache,
+/* Keys jb .. je - 1 (a part: jb a multiple of PART, je at most jb + PART) of the nv vectors
+ * q[r], vector r seeing its first L[r] keys (more than jb). A vector whose keys all lie in
+ * this part writes its output o[r]; the others write their part's record part[r]:
+ * {max score, sum of exp(score - max), the D weighted values' sums}, which merge_parts
+ * combines. scores: nv rows of stride ss (at least PART) floats, relative to jb. */
+static void attend256(const float *const *q, const int64_t *L, int64_t jb, int64_t je, int nv, const kv_t *k_cache,
                       const kv_t *v_cache, const int64_t *sl, int64_t KVH, int64_t g, float scale, float *scores,
-                      int64_t ss, float *qs, float *acc, float *buf, float *const *o, int64_t D) {
-    float total[MAXR];
+                      int64_t ss, float *qs, float *acc, float *buf, float *const *o, float *const *part, int64_t D) {
+    float total[MAXR], mx[MAXR];
     const float *rows[KB];
     for (int r = 0; r < nv; r++) {
         for (int64_t d = 0; d < D; d++) qs[r * D + d] = q[r][d] * scale;
         for (int64_t d = 0; d < D; d++) acc[r * D + d] = 0.0f;
     }
-    for (int64_t j0 = 0; j0 < Lmax; j0 += KB) { /* a block of keys, read from L1 by every vector */
-        const int64_t j1 = j0 + KB < Lmax ? j0 + KB : Lmax;
+    for (int64_t j0 = jb; j0 < je; j0 += KB) { /* a block of keys, read from L1 by every vector */
+        const int64_t j1 = j0 + KB < je ? j0 + KB : je;
         block_rows(k_cache, sl, j0, j1, KVH, g, D, buf, rows);
         int64_t j = j0;
         for (; j + 8 <= j1; j += 8)
             for (int r = 0; r < nv; r++)
-                if (j < L[r]) score8(qs + r * D, rows + (j - j0), D, scores + r * ss + j);
+                if (j < L[r]) score8(qs + r * D, rows + (j - j0), D, scores + r * ss + (j - jb));
         for (; j < j1; j++)
             for (int r = 0; r < nv; r++)
-                if (j < L[r]) scores[r * ss + j] = score1(qs + r * D, rows[j - j0], D);
+                if (j < L[r]) scores[r * ss + (j - jb)] = score1(qs + r * D, rows[j - j0], D);
     }
-    for (int r = 0; r < nv; r++) total[r] = softmax256(scores + r * ss, L[r], Lmax);
-    for (int64_t j0 = 0; j0 < Lmax; j0 += KB) {
-        const int64_t j1 = j0 + KB < Lmax ? j0 + KB : Lmax;
+    for (int r = 0; r < nv; r++)
+        total[r] = softmax256(scores + r * ss, (L[r] < je ? L[r] : je) - jb, je - jb, mx + r);
+    for (int64_t j0 = jb; j0 < je; j0 += KB) {
+        const int64_t j1 = j0 + KB < je ? j0 + KB : je;
         block_rows(v_cache, sl, j0, j1, KVH, g, D, buf, rows);
         for (int r = 0; r < nv; r++) {
             const int64_t e1 = j1 < L[r] ? j1 : L[r];
-            if (e1 > j0) values256(scores + r * ss + j0, e1 - j0, rows, D, acc + r * D);
+            if (e1 > j0) values256(scores + r * ss + (j0 - jb), e1 - j0, rows, D, acc + r * D);
         }
     }
     for (int r = 0; r < nv; r++) {
+        if (part[r]) {
+            part[r][0] = mx[r], part[r][1] = total[r];
+            memcpy(part[r] + 2, acc + r * D, sizeof(float) * D);
+            continue;
+        }
         const float inv = 1.0f / total[r];
         for (int64_t d = 0; d < D; d++) o[r][d] = acc[r * D + d] * inv;
     }
 }
 
+/* out [D] from a vector's np part records (each 2 + D floats, in key order): the parts'
+ * sums rescaled to the largest max and added in order, one division at the end. */
+static void merge_parts(const float *part, int64_t np, int64_t D, float *out) {
+    float m = -INFINITY, total = 0.0f;
+    for (int64_t p = 0; p < np; p++) m = part[p * (D + 2)] > m ? part[p * (D + 2)] : m;
+    for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
+    for (int64_t p = 0; p < np; p++) {
+        const float *rec = part + p * (D + 2), w = exp1(rec[0] - m);
+        total = fmaf(w, rec[1], total);
+        for (int64_t d = 0; d < D; d++) out[d] = fmaf(w, rec[2 + d], out[d]);
+    }
+    const float inv = 1.0f / total;
+    for (int64_t d = 0; d < D; d++) out[d] *= inv;
+}
+
 /* One work item: the KV head g of the vectors v0 .. v0 + nv - 1 of the tokens from
- * ``first`` on (vector v: token first + v / rep, query head g * rep + v % rep). */
+ * ``first`` on (vector v: token first + v / rep, query head g * rep + v % rep), over their
+ * keys of part p (keys p PART .. (p + 1) PART - 1). */
 typedef struct {
-    int64_t first, g, v0, nv;
+    int64_t first, g, v0, nv, p;
 } AttnItem;
 
-/* The work items: tokens that share a list (same start) grouped, their vectors cut into
- * items of at most ``per_item``; returns how many (at most n * H). */
-static int64_t attention_items(const int64_t *start, int64_t n, int64_t KVH, int64_t rep, int64_t per_item,
-                               AttnItem *items) {
+/* Parts of a vector with L keys. */
+static inline int64_t parts_of(int64_t L) { return PART_KEYS ? (L + PART - 1) / PART : 1; }
+
+/* The work items (to ``items``; NULL: only counted): tokens that share a list (same start)
+ * grouped, their vectors cut into items of at most ``per_item``, each for every part of
+ * its keys; returns how many. */
+static int64_t attention_items(const int64_t *start, const int64_t *len, int64_t n, int64_t KVH, int64_t rep,
+                               int64_t per_item, AttnItem *items) {
     int64_t count = 0;
     for (int64_t i = 0, e; i < n; i = e) {
         for (e = i + 1; e < n && start[e] == start[i];) e++;
         const int64_t nvec = (e - i) * rep;
         for (int64_t g = 0; g < KVH; g++)
-            for (int64_t v0 = 0; v0 < nvec; v0 += per_item)
-                items[count++] = (AttnItem){i, g, v0, nvec - v0 < per_item ? nvec - v0 : per_item};
+            for (int64_t v0 = 0; v0 < nvec; v0 += per_item) {
+                const int64_t nv = nvec - v0 < per_item ? nvec - v0 : per_item;
+                int64_t longest = 0;
+                for (int64_t t = i + v0 / rep; t <= i + (v0 + nv - 1) / rep; t++) longest = len[t] > longest ? len[t] : longest;
+                for (int64_t p = 0; items && p < parts_of(longest); p++) items[count + p] = (AttnItem){i, g, v0, nv, p};
+                count += parts_of(longest);
+            }
     }
     return count;
 }
@@ -444,46 +490,59 @@ static int64_t attention_items(const int64_t *start, int64_t n, int64_t KVH, int
 /* Vectors per item: up to MAXR read the keys once for all of them, but make fewer items; keep
  * at least four items a thread (a request's 17-row chain, 51 vectors a KV head, gives 12 items
  * of 16 at batch 1; one row, 3 vectors, one item). ``in_regs``: vectors read in one pass. */
-static int64_t vectors_per_item(int64_t vectors, int64_t in_regs, int num_threads) {
+static int64_t vectors_per_item(const int64_t *start, const int64_t *len, int64_t n, int64_t KVH, int64_t rep,
+                                int64_t in_regs, int num_threads) {
     int64_t per_item = MAXR;
-    while (per_item > in_regs && vectors / per_item < 4 * num_threads) per_item /= 2;
+#if PART_KEYS
+    while (per_item > in_regs && attention_items(start, len, n, KVH, rep, per_item, NULL) < 4 * num_threads)
+        per_item /= 2;
+#else
+    (void)start, (void)len;
+    while (per_item > in_regs && n * rep * KVH / per_item < 4 * num_threads) per_item /= 2;
+#endif
     return per_item < in_regs ? in_regs : per_item;
 }
 
-/* One work item: its query and output vectors, then the kernel for its head size and count.
- * ``scores``: the thread's scratch (scores, then acc, qs and buf, as PAGED_ATTENTION lays out). */
+/* One work item: its query and output vectors (and part records), then the kernel for its
+ * head size and count. ``scores``: the thread's scratch (scores, then acc, qs and buf, as
+ * PAGED_ATTENTION lays out); ``parts``: token i's records from parts + at[i] (none where
+ * its keys fit one part): query head h's part p at ((h * parts_of(len[i]) + p) * (D + 2)). */
 static inline __attribute__((always_inline)) void attend_item(
     AttnItem w, const float *q, int64_t q_stride, const kv_t *k_cache, const kv_t *v_cache, const int64_t *rows,
-    const int64_t *start, const int64_t *len, const int64_t *slots, float *out, int64_t H, int64_t KVH, int64_t D,
-    float scale, int64_t in_regs, float *scores, int64_t ss) {
+    const int64_t *start, const int64_t *len, const int64_t *slots, float *out, float *parts, const int64_t *at,
+    int64_t H, int64_t KVH, int64_t D, float scale, int64_t in_regs, float *scores, int64_t ss) {
     const int64_t rep = H / KVH, g = w.g;
     const int64_t *sl = slots + start[w.first];
     float *acc = scores + MAXR * ss, *qs = acc + MAXR * D, *buf = qs + MAXR * D;
     const float *qp[MAXR];
-    float *op[MAXR];
-    int64_t L[MAXR], Lmax = 0;
+    float *op[MAXR], *pp[MAXR];
+    int64_t L[MAXR], Lmax = 0, nv = 0;
     for (int64_t v = 0; v < w.nv; v++) {
         const int64_t i = w.first + (w.v0 + v) / rep, h = g * rep + (w.v0 + v) % rep;
-        qp[v] = q + rows[i] * q_stride + h * D;
-        op[v] = out + (rows[i] * H + h) * D;
-        L[v] = len[i];
-        Lmax = L[v] > Lmax ? L[v] : Lmax;
+        if (len[i] <= w.p * PART) continue; /* no keys in this part */
+        qp[nv] = q + rows[i] * q_stride + h * D;
+        op[nv] = out + (rows[i] * H + h) * D;
+        pp[nv] = parts_of(len[i]) > 1 ? parts + at[i] + (h * parts_of(len[i]) + w.p) * (D + 2) : NULL;
+        L[nv] = len[i];
+        Lmax = L[nv] > Lmax ? L[nv] : Lmax;
+        nv++;
     }
-    if (Lmax * D * (int64_t)sizeof(kv_t) * 2 <= TOUCH_BYTES) touch_item(k_cache, v_cache, sl, Lmax, KVH, g, D);
+    const int64_t jb = w.p * PART, je = Lmax - jb > PART ? jb + PART : Lmax;
+    if ((je - jb) * D * (int64_t)sizeof(kv_t) * 2 <= TOUCH_BYTES) touch_item(k_cache, v_cache, sl + jb, je - jb, KVH, g, D);
 #ifdef __AVX512F__
-    const int wide = D == 64 || D == 128; /* attend512 and attend_blocked512 */
-    if (wide && w.nv > in_regs) {
-        attend_blocked512(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, acc, op, D);
+    const int wide = D == 64 || D == 128; /* attend512 and attend_blocked512: whole lists (PART_KEYS 0) */
+    if (wide && nv > in_regs) {
+        attend_blocked512(qp, L, Lmax, (int)nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, acc, op, D);
         return;
     }
     if (wide) {
-        attend512_vectors(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, op, D);
+        attend512_vectors(qp, L, Lmax, (int)nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, op, D);
         return;
     }
 #else
     (void)in_regs;
 #endif
-    attend256(qp, L, Lmax, (int)w.nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, qs, acc, buf, op, D);
+    attend256(qp, L, jb, je, (int)nv, k_cache, v_cache, sl, KVH, g, scale, scores, ss, qs, acc, buf, op, pp, D);
 }
 
 int PAGED_ATTENTION(const float *q, int64_t q_stride, const kv_t *k_cache, const kv_t *v_cache,
@@ -496,11 +555,24 @@ int PAGED_ATTENTION(const float *q, int64_t q_stride, const kv_t *k_cache, const
 #ifdef __AVX512F__
     if (D == 64 || D == 128) in_regs = D == 64 ? MAXV : 2;
 #endif
-    const int64_t per_item = vectors_per_item(n * rep * KVH, in_regs, num_threads);
-    AttnItem *items = malloc(sizeof(AttnItem) * n * H);
-    if (!items) return KERNEL_NO_MEMORY;
+    const int64_t per_item = vectors_per_item(start, len, n, KVH, rep, in_regs, num_threads);
+    const int64_t count = attention_items(start, len, n, KVH, rep, per_item, NULL);
+    const int64_t ss = (max_len < PART ? max_len : PART) + 16;
+    int64_t *at = malloc(sizeof(int64_t) * (n + 1)); /* token i's part records: from parts + at[i] */
+    AttnItem *items = malloc(sizeof(AttnItem) * (count ? count : 1));
+    if (!at || !items) {
+        free(at), free(items);
+        return KERNEL_NO_MEMORY;
+    }
+    at[0] = 0;
+    for (int64_t i = 0; i < n; i++) at[i + 1] = at[i] + (parts_of(len[i]) > 1 ? H * parts_of(len[i]) * (D + 2) : 0);
+    float *parts = at[n] ? malloc(sizeof(float) * at[n]) : NULL;
+    if (at[n] && !parts) {
+        free(at), free(items);
+        return KERNEL_NO_MEMORY;
+    }
+    attention_items(start, len, n, KVH, rep, per_item, items);
     int failed = 0;
-    const int64_t count = attention_items(start, n, KVH, rep, per_item, items), ss = max_len + 16;
     #pragma omp parallel num_threads(count > 1 ? num_threads : 1)
     {
         float *scores = malloc(sizeof(float) * (MAXR * ss + 2 * MAXR * D + KB * D));
@@ -511,10 +583,17 @@ int PAGED_ATTENTION(const float *q, int64_t q_stride, const kv_t *k_cache, const
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < count; it++)
             if (scores)
-                attend_item(items[it], q, q_stride, k_cache, v_cache, rows, start, len, slots, out, H, KVH, D, scale,
-                            in_regs, scores, ss);
+                attend_item(items[it], q, q_stride, k_cache, v_cache, rows, start, len, slots, out, parts, at, H, KVH,
+                            D, scale, in_regs, scores, ss);
         free(scores);
+        if (at[n]) { /* the tokens whose keys span several parts: their records merged */
+            #pragma omp for schedule(static)
+            for (int64_t v = 0; v < n * H; v++)
+                if (parts_of(len[v / H]) > 1)
+                    merge_parts(parts + at[v / H] + (v % H) * parts_of(len[v / H]) * (D + 2), parts_of(len[v / H]), D,
+                                out + (rows[v / H] * H + v % H) * D);
+        }
     }
-    free(items);
+    free(parts), free(at), free(items);
     return failed ? KERNEL_NO_MEMORY : 0;
 }
