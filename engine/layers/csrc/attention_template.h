@@ -40,9 +40,13 @@ static inline __m512 kv16(const float *p) { return _mm512_loadu_ps(p); }
  * key and value read once for several of them (with AVX-512 and D = 64 or 128: up to 4
  * in registers, attend512, or blocks of keys that every group of 4 reads from L1,
  * attend_blocked512; otherwise attend256, groups of 4). Fewer vectors a work item keep
- * both cores busy at batch 1. A vector's arithmetic is the same whoever shares its work
- * item (keys past its own length get weight 0), in list order, so a token's result never
- * depends on the other tokens of the step. */
+ * both cores busy at batch 1. In the AVX2 build a list's keys are cut in parts of PART,
+ * each part of a group of vectors a work item of its own, and a vector whose keys span
+ * several parts has its parts merged at the end (merge_parts): one long request's
+ * attention spreads over both cores and its chain's rows read each key once. A vector's
+ * arithmetic (its parts included: they depend only on its own length) is the same whoever
+ * shares its work item (keys past its own length get weight 0), in list order, so a
+ * token's result never depends on the other tokens of the step. */
 #define MAXR 16 /* query vectors per work item, attended in groups, keys in blocks */
 #define KB 64 /* keys per block (16 KB of keys at D = 64): in L1 for every group of a work item */
 #ifdef __AVX512F__
