@@ -140,12 +140,13 @@ def build(compiler: str, flags: tuple[str, ...], csrc: Path = CSRC):
             [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
         )
     lib.silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    lib.argmax_rows_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.rope_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.decoder_layer_f32.argtypes = [ctypes.POINTER(LayerArgs), ctypes.POINTER(StepArgs), ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.moe_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-    for f in (lib.matmul_f32, lib.rms_norm_f32, lib.silu_mul_f32, lib.rope_f32):
+    for f in (lib.matmul_f32, lib.rms_norm_f32, lib.silu_mul_f32, lib.rope_f32, lib.argmax_rows_f32):
         f.restype = None
     for f in (lib.paged_attention_f32, lib.paged_attention_kv_bf16, lib.decoder_layer_f32, lib.moe_f32):
         f.restype = ctypes.c_int  # 0, or a negative code (check)
@@ -247,6 +248,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         torch.get_num_threads(),
     )
     check(rc, "paged_attention")
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """The index of each row's first maximum (its first NaN, where it has one), as
+    ``logits.max(-1).indices.tolist()`` gives it: logits [T, N]; through the kernel where it is
+    float32 on the CPU (``usable``), else torch's."""
+    if not usable(logits) or logits.dim() != 2:
+        return logits.max(-1).indices.tolist()
+    x = logits.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    load().argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out.tolist()
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ import torch
 
 from engine.attention import SeqSpec
 from engine.attention.backends import TORCH, AttentionBackend
+from engine.layers.cpu_kernels import argmax_rows
 from engine.outputs import TokenLogprob
 from engine.worker.sampler import (
     apply_bitmask,
@@ -234,7 +235,7 @@ class ModelRunner:
         logits, the sample of the grammar-masked ones."""
         if self._argmax_only(requests):
             # the greedy rule without drafts: argmax (the first maximum) in a third of its time
-            tokens = logits.max(-1).indices.tolist()
+            tokens = argmax_rows(logits)
             return RunnerOutput({r.request_id: [t] for r, t in zip(requests, tokens)})
         batch = build_sampling_batch(requests, self.vocab_size, self.device, self._generators(requests))
         tokens = sample(self._masked(logits, [(r.request_id, 0) for r in requests]), batch)
@@ -250,7 +251,7 @@ class ModelRunner:
         requests = [self.requests[s.request_id] for s in sched]
         num_logprobs = None
         if self._argmax_only(requests):  # the argmax of the raw logits: no sampling batch needed
-            verified = greedy_rule(logits.max(-1).indices.tolist(), drafts)  # argmax, as above
+            verified = greedy_rule(argmax_rows(logits), drafts)  # argmax, as above
         else:
             verified, num_logprobs, rows = self._verify_processed(logits, requests, drafts)
         self._keep_accepted_paths(sched, verified.paths)

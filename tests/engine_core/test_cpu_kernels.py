@@ -137,6 +137,24 @@ def test_silu_mul_matches_torch(rows, inter):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows, n", [(1, 49152), (5, 49152), (3, 7), (2, 8), (4, 29)])
+def test_argmax_rows_is_torchs_first_maximum(rows, n):
+    """The greedy token of each row of logits: the first of tied maxima, the first NaN, and
+    index 0 of a row of -inf, as torch's max(-1).indices gives them."""
+    g = torch.Generator().manual_seed(rows * n)
+    cases = [torch.randn(rows, n, generator=g), torch.randint(-2, 2, (rows, n), generator=g).float()]
+    nan = torch.randn(rows, n, generator=g)
+    nan[torch.rand(rows, n, generator=g) < 0.2] = float("nan")
+    signed = torch.zeros(rows, n)
+    signed[torch.rand(rows, n, generator=g) < 0.5] = -0.0
+    cases += [nan, signed, torch.full((rows, n), -float("inf")), torch.full((rows, n), float("inf"))]
+    with torch.no_grad():
+        assert cpu_kernels.usable(cases[0])
+        for x in cases:
+            assert cpu_kernels.argmax_rows(x) == x.max(-1).indices.tolist()
+
+
+@needs_kernel
 def test_rope_matches_torch_on_a_strided_view():
     from engine.layers.rotary import _rotate_half
 

@@ -64,3 +64,41 @@ void rope_f32(const float *x, int64_t x_stride, const float *cos, const float *s
         }
     }
 }
+
+/* out[t] = the index of the first maximum of row t of x [T, N] (of the first NaN, where the
+ * row has one), as torch's max(-1).indices and argmax give it: the greedy token of each row
+ * of logits, one pass for the max, one for its first index, rows on the threads. */
+void argmax_rows_f32(const float *x, int64_t T, int64_t N, int64_t *out, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(T > 1 ? num_threads : 1)
+    for (int64_t t = 0; t < T; t++) {
+        const float *r = x + t * N;
+        __m256 m = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= N; j += 8) {
+            const __m256 v = _mm256_loadu_ps(r + j);
+            m = _mm256_max_ps(m, v);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        float best = -INFINITY;
+        float lanes[8];
+        _mm256_storeu_ps(lanes, m);
+        for (int i = 0; i < 8; i++) best = lanes[i] > best ? lanes[i] : best;
+        int has_nan = _mm256_movemask_ps(nan) != 0;
+        for (int64_t k = j; k < N; k++) {
+            has_nan |= r[k] != r[k];
+            best = r[k] > best ? r[k] : best;
+        }
+        int64_t at = 0;
+        if (has_nan) {
+            while (r[at] == r[at]) at++;
+        } else {
+            const __m256 b = _mm256_set1_ps(best);
+            for (j = 0; j + 8 <= N; j += 8) {
+                const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(r + j), b, _CMP_EQ_OQ));
+                if (hit) break;
+            }
+            for (at = j; at < N && r[at] != best; at++) {}
+        }
+        out[t] = at < N ? at : 0;
+    }
+}

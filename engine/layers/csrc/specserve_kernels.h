@@ -24,6 +24,7 @@ void matmul_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, 
 
 void rms_norm_f32(const float *x, const float *w, float *y, int64_t T, int64_t H, float eps, int num_threads);
 void silu_mul_f32(const float *gu, float *out, int64_t T, int64_t I, int num_threads);
+void argmax_rows_f32(const float *x, int64_t T, int64_t N, int64_t *out, int num_threads);
 void rope_f32(const float *x, int64_t x_stride, const float *cos, const float *sin, float *y, int64_t T, int64_t nh,
               int64_t D);
 
