@@ -268,6 +268,43 @@ def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
     assert len(unseeded) > 1
 
 
+@pytest.mark.parametrize("kw", [dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_k=40),
+                                dict(top_k=200, top_p=0.5, min_p=0.02), dict(temperature=0.5, min_p=0.1),
+                                dict(top_p=0.999), dict(top_k=300)],
+                         ids=["top-p", "top-k", "all-three", "min-p", "wide-top-p", "top-k-past-the-prefix"])
+def test_a_vocabularys_best_tokens_ranked_first_give_the_full_sorts_distribution(kw, monkeypatch):
+    """On the CPU the PREFIX best tokens are ranked first (topk); where every row's kept set
+    lies among them the full sort is skipped, else it runs: the processed logits are the full
+    sort's, token for token, either way (the last two cases keep more than PREFIX tokens)."""
+    vocab, rows, prefix = 4096, 3, sampler.PREFIX
+    g = torch.Generator().manual_seed(len(str(kw)))
+    wide = kw in (dict(top_p=0.999), dict(top_k=300))
+    logits = torch.randn(rows, vocab, generator=g) * torch.tensor([[4.0], [3.0], [0.2 if wide else 5.0]])
+    b = batch_for([SamplingParams(**kw)] * rows, vocab)
+    sorts = []
+    real_sort = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda self, *a, **k: sorts.append(1) or real_sort(self, *a, **k))
+    with torch.no_grad():
+        got = sampler.processed_logits(logits, b)
+        monkeypatch.setattr(sampler, "PREFIX", vocab)  # the full sort only
+        want = sampler.processed_logits(logits, b)
+    assert torch.equal(got, want)
+    assert len(sorts) == (2 if wide else 1)  # the reference's sort, and the prefix's fallback where it keeps more
+    assert ((got > -torch.inf).sum(-1).max() > prefix) == wide
+
+
+def test_a_batch_of_seeded_rows_leaves_the_shared_generator_alone():
+    """Each seeded row draws its noise from its own generator; the shared one is not drawn
+    from (a whole vocabulary of exponentials per row, otherwise drawn and thrown away)."""
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    noise = sampler.exponential_noise((2, 64), [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)], "cpu")
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(noise[1], torch.empty(64).exponential_(generator=torch.Generator().manual_seed(2)))
+    sampler.exponential_noise((2, 64), [torch.Generator().manual_seed(1), None], "cpu")
+    assert not torch.equal(torch.get_rng_state(), state)
+
+
 # ---- SamplingParams validation ----
 
 
