@@ -170,7 +170,9 @@ def processed_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     it becomes one-hot at its raw argmax instead (chosen on the device: no host sync).
     """
     probs = processed_logits(logits, b).softmax(-1)
-    bad = ~torch.isfinite(probs).all(dim=-1, keepdim=True)  # [n, 1]
+    bad = ~torch.isfinite(probs.sum(-1, keepdim=True))  # [n, 1]: a NaN anywhere makes the row's sum NaN
+    if probs.device.type == "cpu" and not bool(bad.any()):  # (a device would sync for it)
+        return probs
     fallback = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(bad, fallback, probs)
 

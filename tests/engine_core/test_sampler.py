@@ -293,6 +293,20 @@ def test_a_vocabularys_best_tokens_ranked_first_give_the_full_sorts_distribution
     assert ((got > -torch.inf).sum(-1).max() > prefix) == wide
 
 
+def test_a_row_with_no_finite_logit_left_is_one_hot_at_its_raw_argmax(monkeypatch):
+    """Its p would be NaN (every token at -inf after processing): it becomes one-hot at the raw
+    logits' argmax, and the other rows keep their p."""
+    raw = torch.tensor([[0.5, 2.0, -1.0, 0.0], [1.0, 0.0, 3.0, 2.0]])
+    b = batch_for([SamplingParams(temperature=0.7)] * 2, 4)
+    good = processed_probs(raw, b)
+    processed = sampler.processed_logits
+    first_row = torch.tensor([[True], [False]])
+    monkeypatch.setattr(sampler, "processed_logits", lambda x, batch: processed(x, batch).masked_fill(first_row, -torch.inf))
+    mixed = processed_probs(raw, b)
+    assert mixed[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert torch.equal(mixed[1], good[1]) and torch.allclose(good.sum(-1), torch.ones(2))
+
+
 def test_a_batch_of_seeded_rows_leaves_the_shared_generator_alone():
     """Each seeded row draws its noise from its own generator; the shared one is not drawn
     from (a whole vocabulary of exponentials per row, otherwise drawn and thrown away)."""
