@@ -186,10 +186,7 @@ class AsyncEngine:
             self.engine.abort_request(msg.request_id)
 
     def _step(self) -> None:
-        self._deliver_step(step_outputs(self.engine, self._streams))
-
-    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        deliver_step(self._streams, outputs, self.engine.abort_request)
+        deliver_step(self._streams, step_outputs(self.engine, self._streams), self.engine.abort_request)
 
     def _deliver(self, out: RequestOutput) -> None:
         msg = self._streams.get(out.request_id)

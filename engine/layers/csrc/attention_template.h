@@ -592,10 +592,10 @@ int PAGED_ATTENTION(const float *q, int64_t q_stride, const kv_t *k_cache, const
         free(scores);
         if (at[n]) { /* the tokens whose keys span several parts: their records merged */
             #pragma omp for schedule(static)
-            for (int64_t v = 0; v < n * H; v++)
-                if (parts_of(len[v / H]) > 1)
-                    merge_parts(parts + at[v / H] + (v % H) * parts_of(len[v / H]) * (D + 2), parts_of(len[v / H]), D,
-                                out + (rows[v / H] * H + v % H) * D);
+            for (int64_t v = 0; v < n * H; v++) {
+                const int64_t i = v / H, h = v % H, np = parts_of(len[i]);
+                if (np > 1) merge_parts(parts + at[i] + h * np * (D + 2), np, D, out + (rows[i] * H + h) * D);
+            }
         }
     }
     free(parts), free(at), free(items);
